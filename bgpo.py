@@ -1,0 +1,701 @@
+"""
+Boundary-Guided Policy Optimization (BGPO) for a masked diffusion LM, next to the naive
+ELBO-based objective it replaces, and the pipeline that runs them: SFT, then RL.
+
+Paper: Lin, Zhang, Hou, Li, "Boundary-Guided Policy Optimization for Memory-efficient RL of
+Diffusion Large Language Models", arXiv 2510.11683. Read in this order:
+
+1. ELBO estimation with Monte Carlo samples (Eq. 4-5): draw_mc_samples, elbo_terms, and, for
+   teaching and tests, the exact ELBO and the random-order likelihood by enumeration.
+2. The two objectives (Eq. 6-7 and Eq. 9-14): naive_objective and bgpo_bound, then naive_loss
+   and bgpo_backward, which differ only in how many graphs autograd keeps alive.
+3. Measuring activation memory: ActivationMemory.
+4. The pipeline: SFT (the negative ELBO), the RL loop (sample, reward, advantage, update),
+   evaluation, checkpoints, the memory benchmark and the command line.
+
+Simplifications versus the paper and its official code:
+1. A 0.6M-parameter model trained from scratch on toy tasks instead of LLaDA-8B-Instruct.
+2. The log-ratio d_j is divided by the completion length L (as the official code does; the paper
+   text does not); on-policy this only rescales the gradient, off-policy it keeps ratios near 1.
+3. No KL term and one update per rollout batch by default, as in the paper's main runs.
+4. Group advantages use the unbiased (n-1) standard deviation, as torch.std does in the official
+   code's TRL base.
+
+Shapes: B batch (= prompts x G), G group size, M Monte Carlo samples (n_t), L completion length,
+P prompt length, T = P + L, V vocabulary.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from itertools import combinations, permutations
+
+import torch
+from tqdm import tqdm
+
+from tasks import get_task, TASKS
+from tiny_dllm import ModelConfig, TinyDLLM, generate, mask_by_count, masked_log_likelihood, sft_loss
+
+# -----------------------------------------------------------------------------
+# 1. The ELBO and its Monte Carlo estimate (Eq. 4-5)
+
+
+@dataclass
+class MCSamples:
+    """n_t masked copies per sequence: mask (B, M, L) bool and weight (B, M), the 1/t factor.
+    Drawn once per rollout batch and used for both pi_theta and pi_old (coupling)."""
+    mask: torch.Tensor
+    weight: torch.Tensor
+
+    def __getitem__(self, j):  # samples j (a slice): a chunk for bgpo_backward
+        return MCSamples(self.mask[:, j], self.weight[:, j])
+
+    def to(self, device):
+        return MCSamples(self.mask.to(device), self.weight.to(device))
+
+
+def draw_mc_samples(batch_size, gen_len, n_mc, generator=None, scheme="stratified"):
+    """M mask patterns per sequence, each an unbiased one-sample estimate of the ELBO.
+    "iid":        t_j ~ U(0,1], each token masked with probability t_j, weight 1/t_j (Eq. 4).
+    "stratified": LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
+                  k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1 spread evenly over 1..L, exactly
+                  k_j tokens masked, weight L/k_j. Each k_j alone is uniform, so it is unbiased;
+                  spreading them removes most of the variance between samples."""
+    for name, v in (("batch_size", batch_size), ("gen_len", gen_len), ("n_mc", n_mc)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be a positive int, got {v!r}")
+    B, L, M = batch_size, gen_len, n_mc
+    if scheme == "stratified":
+        k0 = torch.randint(1, L + 1, (B, 1), generator=generator)
+        offsets = torch.tensor([round(j * L / M) for j in range(M)])
+        k = (k0 - 1 + offsets) % L + 1                                      # (B, M)
+        mask = mask_by_count(k.flatten(), L, generator).view(B, M, L)
+        return MCSamples(mask, L / k.to(torch.get_default_dtype()))
+    if scheme == "iid":
+        t = 1.0 - torch.rand(B, M, generator=generator)                    # (0, 1]
+        return MCSamples(torch.rand(B, M, L, generator=generator) < t[..., None], 1.0 / t)
+    raise ValueError(f"scheme: expected 'stratified' or 'iid', got {scheme!r}")
+
+
+def elbo_terms(model, prompts, completions, mc):
+    """l_j = (1/t_j) sum_{i masked in y_t} log p_theta(y^i | y_t, x), in nats: (B, M).
+    All B*M masked copies go through the model as one batch."""
+    _check_shapes(prompts, completions, mc)
+    (B, M), L = mc.weight.shape, completions.shape[1]
+    logp = masked_log_likelihood(model, prompts.repeat_interleave(M, 0),
+                                 completions.repeat_interleave(M, 0), mc.mask.reshape(B * M, L))
+    return mc.weight.to(logp) * logp.view(B, M)
+
+
+def _log_probs_under_every_mask(model, prompt, completion):
+    """{masked set S: (L,) log p(y^i | y with S masked, x)} for every non-empty S, in one batch."""
+    L = completion.shape[0]
+    subsets = [S for k in range(1, L + 1) for S in combinations(range(L), k)]
+    mask = torch.zeros(len(subsets), L, dtype=torch.bool)
+    for row, S in enumerate(subsets):
+        mask[row, list(S)] = True
+    mask = mask.to(completion.device)
+    N = len(subsets)
+    y_t = completion.expand(N, L).masked_fill(mask, model.config.mask_id)
+    with torch.no_grad():
+        logits = model(torch.cat([prompt.expand(N, -1), y_t], 1))[:, prompt.shape[0]:]
+        logp = logits.log_softmax(-1).gather(-1, completion.expand(N, L)[..., None])[..., 0]
+    return dict(zip(subsets, logp))
+
+
+def exact_elbo(model, prompt, completion):
+    """The ELBO by enumerating mask sets (L <= 6): for one prompt (P,) and completion (L,),
+    B = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x).
+    Both MC schemes have this expectation. RADD's theorem: it equals the expected
+    log-likelihood of an any-order autoregressive model over uniformly random orders."""
+    table, L = _log_probs_under_every_mask(model, prompt, completion), completion.shape[0]
+    total = 0.0
+    for k in range(1, L + 1):
+        sets = list(combinations(range(L), k))
+        total += sum(table[S][list(S)].sum() for S in sets) / (k * len(sets))
+    return total
+
+
+def random_order_log_likelihood(model, prompt, completion):
+    """Enumerates all L! orders sigma of unmasking, each a left-to-right factorisation
+    log p_sigma(y) = sum_n log p(y^sigma(n) | y^sigma(<n), x), where the not-yet-revealed tokens are
+    MASK. Returns (E_sigma log p_sigma(y), log E_sigma p_sigma(y)): the first equals the ELBO
+    (RADD), the second is an upper bound on it by Jensen."""
+    table, L = _log_probs_under_every_mask(model, prompt, completion), completion.shape[0]
+    per_order = []
+    for sigma in permutations(range(L)):
+        # at step n, positions sigma[n:] are still masked and sigma[n] is revealed
+        per_order.append(sum(table[tuple(sorted(sigma[n:]))][sigma[n]] for n in range(L)))
+    per_order = torch.stack(per_order)
+    return per_order.mean(), per_order.logsumexp(0) - math.log(len(per_order))
+
+
+# -----------------------------------------------------------------------------
+# 2. The objectives: naive (Eq. 6-7) and BGPO's lower bound (Eq. 9-14)
+
+
+def _check_shapes(prompts, completions, mc, old_terms=None, advantages=None):
+    """Every shape must match exactly: a silent broadcast would train on the wrong numbers."""
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts: expected (B, P), got shape {tuple(prompts.shape)}")
+    B = prompts.shape[0]
+    if completions.dim() != 2 or completions.shape[0] != B:
+        raise ValueError(f"completions: expected ({B}, L), got shape {tuple(completions.shape)}")
+    L = completions.shape[1]
+    if mc.mask.dim() != 3 or mc.mask.shape[0] != B or mc.mask.shape[2] != L:
+        raise ValueError(f"mc.mask: expected ({B}, M, {L}), got shape {tuple(mc.mask.shape)}")
+    M = mc.mask.shape[1]
+    if tuple(mc.weight.shape) != (B, M):
+        raise ValueError(f"mc.weight: expected ({B}, {M}), got shape {tuple(mc.weight.shape)}")
+    if old_terms is not None and tuple(old_terms.shape) != (B, M):
+        raise ValueError(f"old_terms: expected ({B}, {M}), got shape {tuple(old_terms.shape)}")
+    if advantages is not None:
+        if tuple(advantages.shape) != (B,):
+            raise ValueError(f"advantages: expected ({B},), got shape {tuple(advantages.shape)}")
+        if torch.isnan(advantages).any():
+            raise ValueError(f"advantages: contains NaN (shape {tuple(advantages.shape)})")
+
+
+def _ppo(ratio, A, clip_eps):
+    """ratio * A, or PPO's pessimistic min with the ratio clipped to [1 - eps, 1 + eps]."""
+    if clip_eps is None:
+        return ratio * A
+    return torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
+
+
+def naive_objective(d, A, clip_eps=None):
+    """R_hat = exp(mean_j d_j) * A per sequence (Eq. 7): (B, M) log-ratios -> (B,).
+    The exp couples all M samples: no term can be backpropagated on its own."""
+    return _ppo(d.mean(1).exp(), A, clip_eps)
+
+
+def bgpo_bound(d, A, n_t, clip_eps=None):
+    """BGPO's per-sample terms g_j (Eq. 13): (B, m) log-ratios of m <= n_t samples -> (B, m),
+    with R_lb = sum_j g_j <= R_hat.
+      A >= 0: e^u >= 1 + u (tangent at 0), so exp(mean d) A >= mean(1 + d_j) A.
+      A <  0: e^{mean u} <= mean e^{u_j} (Jensen), and A < 0 flips it: exp(mean d) A >= mean(e^{d_j}) A.
+    Both are equal to R_hat when every d_j = 0, i.e. on-policy; 1 + d is used as is, never as
+    exp(log(1 + d)), which is NaN for d <= -1."""
+    A = A[:, None]
+    positive = A >= 0
+    ratio = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())  # no exp where unused: no inf*0 grads
+    return _ppo(ratio, A, clip_eps) / n_t
+
+
+def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
+    """-mean_b R_hat_b. One forward over all B*M masked copies; the caller calls backward,
+    and until then autograd keeps the activations of all M samples: memory grows with M."""
+    _check_shapes(prompts, completions, mc, old_terms, advantages)
+    terms = elbo_terms(model, prompts, completions, mc)              # (B, M)
+    d = (terms - old_terms) / completions.shape[1]                    # per-token log-ratio
+    return -naive_objective(d, advantages.to(d), clip_eps).mean()
+
+
+def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None, mc_chunk=1):
+    """-mean_b R_lb_b, backpropagated one chunk of mc_chunk samples at a time. R_lb is a sum of
+    per-sample terms, so the chunks' gradients add up to the full gradient while only one chunk's
+    activations are alive: memory is that of mc_chunk samples, whatever M is. Returns the loss."""
+    _check_shapes(prompts, completions, mc, old_terms, advantages)
+    if not isinstance(mc_chunk, int) or mc_chunk < 1:
+        raise ValueError(f"mc_chunk: must be a positive int, got {mc_chunk!r}")
+    M, L = old_terms.shape[1], completions.shape[1]
+    total = 0.0
+    for j in range(0, M, mc_chunk):
+        part = slice(j, j + mc_chunk)
+        terms = elbo_terms(model, prompts, completions, mc[part])     # (B, m)
+        d = (terms - old_terms[:, part]) / L
+        loss = -bgpo_bound(d, advantages.to(d), M, clip_eps).sum(1).mean()
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def group_advantages(rewards, group_size):
+    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18), for rewards laid out as
+    consecutive groups of group_size completions of the same prompt. Equal rewards give A = 0."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected (B,), got shape {tuple(rewards.shape)}")
+    if not isinstance(group_size, int) or group_size < 2 or rewards.shape[0] % group_size:
+        raise ValueError(f"group_size: must be an int >= 2 dividing {rewards.shape[0]}, got {group_size!r}")
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+
+
+# -----------------------------------------------------------------------------
+# 3. Activation memory: the bytes autograd holds for backward
+
+
+class ActivationMemory:
+    """Counts, while active, the peak bytes of distinct tensors saved for backward, excluding
+    the parameters themselves. Each saved tensor is wrapped in a handle whose destruction (when
+    backward frees the graph) releases its bytes, so the count is exact and deterministic on CPU."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+            self.current += self.live[ptr][0]
+            self.peak = max(self.peak, self.current)
+        self.live[ptr][1] += 1
+        handle = _Saved(t)
+        weakref.finalize(handle, self._release, ptr)
+        return handle
+
+    def _release(self, ptr):
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+# -----------------------------------------------------------------------------
+# 4. The pipeline: data, evaluation, checkpoints
+
+
+SFT_STEPS = {"arithmetic": 1500, "countdown": 1500, "sudoku": 1500}  # default --sft-steps per task
+
+
+class UsageError(Exception):
+    """Bad input to the command line: printed as one line, exit code 2."""
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if name not in ("cpu", "cuda", "mps") or (name == "cuda" and not torch.cuda.is_available()) \
+            or (name == "mps" and not torch.backends.mps.is_available()):
+        raise UsageError(f"--device {name} is not available here")
+    return name
+
+
+def encode(task, prompts, answers=None, device="cpu"):
+    """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions ending in EOS."""
+    x = task.tokenizer.encode_batch(prompts, task.prompt_len, "left").to(device)
+    if answers is None:
+        return x
+    return x, task.tokenizer.encode_batch(answers, task.gen_len, "right").to(device)
+
+
+def make_model(task, args):
+    config = ModelConfig(vocab_size=task.tokenizer.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+                         n_embd=args.n_embd, max_len=task.prompt_len + task.gen_len,
+                         mask_id=task.tokenizer.mask_id)
+    return TinyDLLM(config)
+
+
+@torch.no_grad()
+def evaluate(model, task, prompts, args, n_show=3):
+    """Greedy decoding on a fixed held-out set: exact-solve rate (reward 1), mean reward, and a
+    few decoded prompt -> completion -> reward lines to look at."""
+    model.eval()
+    rewards, shown = [], []
+    for i in range(0, len(prompts), 256):
+        batch = prompts[i:i + 256]
+        y = generate(model, encode(task, batch, device=args.device), task.gen_len,
+                     steps=args.gen_steps, block_len=args.block_len, temperature=0.0)
+        for prompt, ids in zip(batch, y.cpu()):
+            text = task.decode(ids)
+            rewards.append(task.reward(prompt, text))
+            if len(shown) < n_show:
+                shown.append(f"    {prompt} -> {text} -> reward {rewards[-1]:.2f}")
+    model.train()
+    accuracy = sum(r == 1.0 for r in rewards) / len(rewards)
+    return {"accuracy": accuracy, "reward": sum(rewards) / len(rewards), "examples": shown}
+
+
+def save_checkpoint(path, **state):
+    """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, task, config=None):
+    """Load and check that a checkpoint was made for this task, tokenizer and model config."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        made_for = (state["task"], state["vocab"], state["config"])
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    if made_for[0] != task.name:
+        raise UsageError(f"{path} was made for task {made_for[0]!r}, not {task.name!r}")
+    if made_for[1] != task.tokenizer.itos:
+        raise UsageError(f"{path} was made with another tokenizer")
+    if config is not None and made_for[2] != asdict(config):
+        diff = {k: v for k, v in made_for[2].items() if asdict(config).get(k) != v}
+        raise UsageError(f"{path} was made for another model config: {diff}")
+    return state
+
+
+def sft_path(args):
+    return args.sft_ckpt or os.path.join(
+        args.out_dir, f"sft_{args.task}_{args.sft_steps}steps_l{args.n_layer}_e{args.n_embd}_seed{args.seed}.pt")
+
+
+# -----------------------------------------------------------------------------
+# SFT: minimise the negative ELBO of the reference answers
+
+
+def run_sft(args, task):
+    torch.manual_seed(args.seed)  # the initial weights
+    model = make_model(task, args).to(args.device)
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {args.n_layer} layers, n_embd {args.n_embd}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(args.seed)
+    warmup = min(100, args.sft_steps // 10)
+    schedule = lambda s: min(1.0, (s + 1) / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.sft_steps)))
+    bar = tqdm(range(args.sft_steps), desc=f"SFT {args.task}", disable=None)
+    for step in bar:
+        x, y = encode(task, *task.sample(args.batch_size, "train", g), device=args.device)
+        for group in optimizer.param_groups:
+            group["lr"] = args.sft_lr * schedule(step)
+        loss = sft_loss(model, x, y, generator=g)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    path = sft_path(args)
+    save_checkpoint(path, stage="sft", task=task.name, vocab=task.tokenizer.itos, config=asdict(model.config),
+                    step=args.sft_steps, model=model.state_dict())
+    print(f"saved {path}")
+    return model
+
+
+def load_model(path, task, args):
+    config = make_model(task, args).config
+    state = load_checkpoint(path, task, config)
+    model = TinyDLLM(config)
+    model.load_state_dict(state["model"])
+    return model.to(args.device), state
+
+
+# -----------------------------------------------------------------------------
+# RL: BGPO (or the naive objective) on the model's own samples
+
+
+def rl_update(model, optimizer, args, x, y, mc, old_terms, A):
+    """One optimizer step on the objective chosen by --objective. Returns the loss value."""
+    optimizer.zero_grad(set_to_none=True)
+    clip_eps = args.clip_eps if args.updates_per_batch > 1 else None  # on-policy it is inactive anyway
+    if args.objective == "bgpo":
+        loss = bgpo_backward(model, x, y, mc, old_terms, A, clip_eps, args.mc_chunk)
+    else:
+        loss = naive_loss(model, x, y, mc, old_terms, A, clip_eps)
+        loss.backward()
+        loss = loss.item()
+    if math.isfinite(loss):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return loss
+
+
+def run_rl(args, task, model):
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    eval_prompts, _ = task.sample(args.eval_size, "test", 1234)
+    G, B = args.group_size, args.group_size * args.prompts_per_step
+    start, history = 1, []
+    if args.resume:
+        state = load_checkpoint(ckpt_path, task, model.config)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        g.set_state(state["rng"])
+        start, history = state["step"] + 1, state["history"]
+        print(f"resumed {ckpt_path} at step {state['step']}")
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        history.append({"step": 0, **evaluate(model, task, eval_prompts, args)})
+        print(f"step 0 (SFT model): accuracy {history[0]['accuracy']:.1%}, reward {history[0]['reward']:.3f}")
+        print("\n".join(history[0]["examples"]))
+    # keep the log consistent with the checkpoint: drop lines written after it
+    lines = open(log_path).read().splitlines() if args.resume and os.path.exists(log_path) else []
+    with open(log_path, "w") as f:
+        f.writelines(line + "\n" for line in lines if json.loads(line)["step"] < start)
+
+    good_step = start - 1
+    for step in range(start, args.rl_steps + 1):
+        t0 = time.time()
+        # 1-2. prompts, and G completions of each from the current policy
+        prompts, _ = task.sample(args.prompts_per_step, "train", g)
+        prompts = [p for p in prompts for _ in range(G)]                         # B = prompts x G
+        x = encode(task, prompts, device=args.device)                            # (B, P)
+        model.eval()
+        y = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
+                     temperature=args.temperature, generator=g)                   # (B, L)
+        model.train()
+        # 3. rewards and group-relative advantages
+        rewards = torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
+        A = group_advantages(rewards, G).to(args.device)                          # (B,)
+        # 4. MC draws once per batch; the old policy's terms on the very same masks
+        mc = draw_mc_samples(B, task.gen_len, args.mc_samples, g).to(args.device)
+        with torch.no_grad():
+            old_terms = elbo_terms(model, x, y, mc)                              # (B, M)
+        # 5. update(s)
+        with ActivationMemory(model) as memory:
+            for _ in range(args.updates_per_batch):
+                loss = rl_update(model, optimizer, args, x, y, mc, old_terms, A)
+                if not math.isfinite(loss):
+                    raise UsageError(f"loss is {loss} at RL step {step}; stopping. The last good checkpoint is "
+                                     f"{ckpt_path} (step {good_step})" if good_step else f"loss is {loss} at RL step {step}; stopping")
+        # 6-8. log, evaluate, save
+        record = {"step": step, "reward": rewards.mean().item(), "loss": loss,
+                  "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0}
+        line = f"step {step:4d} | reward {record['reward']:.3f} | loss {loss:+.4f} | act {record['activation_mb']:.1f} MB | {record['seconds']:.2f} s"
+        if step % args.eval_every == 0 or step == args.rl_steps:
+            result = evaluate(model, task, eval_prompts, args)
+            history.append({"step": step, **result})
+            record["accuracy"] = result["accuracy"]
+            line += f" | held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n" + "\n".join(result["examples"])
+        print(line)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if step % args.save_every == 0 or step == args.rl_steps:
+            save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
+                            config=asdict(model.config), step=step, model=model.state_dict(),
+                            optimizer=optimizer.state_dict(), rng=g.get_state(), history=history)
+            good_step = step
+    if args.plot:
+        plot(history, log_path, os.path.join(run_dir, "curves.png"))
+    return history
+
+
+def plot(history, log_path, png_path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; skipping the plot")
+        return
+    records = [json.loads(line) for line in open(log_path)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["reward"] for r in records], alpha=0.5, label="rollout reward")
+    ax.plot([h["step"] for h in history], [h["accuracy"] for h in history], "o-", label="held-out accuracy")
+    ax.set_xlabel("RL step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    print(f"wrote {png_path}")
+
+
+# -----------------------------------------------------------------------------
+# The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
+
+
+def bench_memory(args, task):
+    torch.manual_seed(args.seed)
+    model = make_model(task, args).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    B = args.group_size * args.prompts_per_step
+    g = torch.Generator().manual_seed(args.seed)
+    x, y = encode(task, *task.sample(B, "train", g), device=args.device)
+    A = group_advantages(torch.randint(0, 2, (B,), generator=g).to(torch.get_default_dtype()), args.group_size)
+    A = A.to(args.device)
+    cuda = args.device == "cuda"
+
+    def measure(objective, n_t, mc_chunk):
+        step_args = argparse.Namespace(**{**vars(args), "objective": objective, "mc_chunk": mc_chunk,
+                                          "updates_per_batch": 1})
+        mc = draw_mc_samples(B, task.gen_len, n_t, g).to(args.device)
+        with torch.no_grad():
+            old_terms = elbo_terms(model, x, y, mc)
+        times = []
+        for _ in range(args.bench_repeats):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with ActivationMemory(model) as memory:
+                rl_update(model, optimizer, step_args, x, y, mc, old_terms, A)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        cuda_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+        return memory.peak / 2**20, statistics.median(times), cuda_mb
+
+    print(f"model {model.num_params() / 1e6:.2f}M params | task {task.name} | batch B = {args.group_size} x "
+          f"{args.prompts_per_step} = {B}, L = {task.gen_len} | device {args.device} | "
+          f"median of {args.bench_repeats} update steps")
+    head = f"{'n_t':>4} | {'naive MB':>9} {'BGPO MB':>8} {'ratio':>6} | {'naive s':>8} {'BGPO s':>7} {'ratio':>6}"
+    head += f" | {'naive CUDA MB':>13} {'BGPO CUDA MB':>12}" if cuda else ""
+    print(head)
+    for n_t in (1, 2, 4, 8, 16, 32, 64):
+        naive, bgpo = measure("naive", n_t, 1), measure("bgpo", n_t, 1)
+        row = (f"{n_t:>4} | {naive[0]:>9.1f} {bgpo[0]:>8.1f} {naive[0] / bgpo[0]:>6.2f} | "
+               f"{naive[1]:>8.3f} {bgpo[1]:>7.3f} {bgpo[1] / naive[1]:>6.2f}")
+        print(row + (f" | {naive[2]:>13.1f} {bgpo[2]:>12.1f}" if cuda else ""), flush=True)
+    n_t = args.mc_samples
+    print(f"\nBGPO at n_t = {n_t}: --mc-chunk trades memory for speed")
+    print(f"{'mc_chunk':>8} | {'BGPO MB':>8} | {'BGPO s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
+    for chunk in sorted({1, 2, 4, 8, n_t}):
+        if chunk <= n_t:
+            mb, s, cuda_mb = measure("bgpo", n_t, chunk)
+            print(f"{chunk:>8} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""), flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, without the usage dump
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(s):
+    if not s.lstrip("-").isdigit() or int(s) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return int(s)
+
+
+def positive_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        v = -1.0
+    if not v > 0 or not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog="bgpo.py", description="SFT then BGPO reinforcement learning of a tiny masked diffusion LM.")
+    # what to run
+    p.add_argument("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from the SFT checkpoint), or both (default: %(default)s)")
+    p.add_argument("--task", default="countdown", help=f"one of {', '.join(TASKS)} (default: %(default)s)")
+    p.add_argument("--out-dir", default="out", help="where checkpoints and logs go (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, data and sampling (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps (default: %(default)s)")
+    p.add_argument("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit (default: %(default)s)")
+    p.add_argument("--bench-repeats", type=positive_int, default=3, help="update steps timed per row of --bench-memory (default: %(default)s)")
+    # model
+    p.add_argument("--n-layer", type=positive_int, default=3, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--n-head", type=positive_int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--n-embd", type=positive_int, default=128, help="embedding width (default: %(default)s)")
+    # SFT
+    p.add_argument("--sft-steps", type=positive_int, default=None, help=f"SFT steps (default: per task, {SFT_STEPS})")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="SFT batch size (default: %(default)s)")
+    p.add_argument("--sft-lr", type=positive_float, default=1e-3, help="SFT peak learning rate (default: %(default)s)")
+    p.add_argument("--sft-ckpt", default=None, help="SFT checkpoint to write or read (default: a name in --out-dir made from the settings)")
+    # RL
+    p.add_argument("--rl-steps", type=positive_int, default=150, help="RL steps, one rollout batch each (default: %(default)s)")
+    p.add_argument("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's lower bound or the naive ELBO objective (default: %(default)s)")
+    p.add_argument("--prompts-per-step", type=positive_int, default=16, help="prompts per RL step (default: %(default)s)")
+    p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt, G (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="rollout temperature (default: %(default)s)")
+    p.add_argument("--mc-samples", type=positive_int, default=16, help="MC samples n_t per completion (default: %(default)s)")
+    p.add_argument("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO (default: %(default)s)")
+    p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
+    p.add_argument("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1 (default: %(default)s)")
+    p.add_argument("--rl-lr", type=positive_float, default=1e-4, help="RL learning rate (default: %(default)s)")
+    p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
+    p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
+    p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
+    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK_seedS)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
+    p.add_argument("--plot", action="store_true", help="write curves.png to the run folder if matplotlib is installed (default: %(default)s)")
+    # sampler
+    p.add_argument("--gen-steps", type=positive_int, default=None, help="denoising steps per completion (default: L, one token per step)")
+    p.add_argument("--block-len", type=positive_int, default=None, help="semi-autoregressive block length (default: L, one block)")
+    args = p.parse_args(argv)
+
+    if args.task not in TASKS:
+        p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
+    L = get_task(args.task).gen_len
+    args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
+    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}_seed{args.seed}"
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
+    if args.group_size < 2:
+        p.error(f"--group-size must be at least 2 (group advantages compare completions), got {args.group_size}")
+    if args.mc_chunk > args.mc_samples:
+        p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
+    if args.updates_per_batch < 1:
+        p.error(f"--updates-per-batch must be at least 1, got {args.updates_per_batch}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.block_len and args.block_len > L or args.gen_steps and args.gen_steps > L:
+        p.error(f"--block-len and --gen-steps must be at most the completion length {L} of {args.task}")
+    if args.gen_steps and args.gen_steps < math.ceil(L / (args.block_len or L)):
+        p.error(f"--gen-steps must be at least the number of blocks, {math.ceil(L / (args.block_len or L))}")
+    if args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")):
+        p.error(f"--resume: no run to resume at {os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}")
+    if args.resume and args.stage == "sft":
+        p.error("--resume continues an RL run; use it with --stage rl or all")
+    try:
+        args.device = pick_device(args.device)
+    except UsageError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    task = get_task(args.task)
+    t0 = time.time()
+    if args.bench_memory:
+        return bench_memory(args, task)
+    print(f"task {task.name} | device {args.device} | seed {args.seed}")
+    if args.stage in ("sft", "all") and not (args.stage == "all" and os.path.isfile(sft_path(args))):
+        model = run_sft(args, task)
+    else:
+        model, _ = load_model(sft_path(args), task, args)
+        print(f"loaded the SFT model from {sft_path(args)}")
+    if args.stage == "sft":
+        result = evaluate(model, task, task.sample(args.eval_size, "test", 1234)[0], args)
+        print(f"SFT held-out accuracy {result['accuracy']:.1%}, mean reward {result['reward']:.3f}")
+        print("\n".join(result["examples"]))
+        print(f"done in {time.time() - t0:.0f} s")
+        return result
+    history = run_rl(args, task, model)
+    first, last = history[0], history[-1]
+    print(f"\n{'':>22} {'accuracy':>9} {'reward':>7}")
+    print(f"{'SFT model':>22} {first['accuracy']:>9.1%} {first['reward']:>7.3f}")
+    print(f"{'after ' + str(last['step']) + ' RL steps':>22} {last['accuracy']:>9.1%} {last['reward']:>7.3f}")
+    print(f"({args.objective}, n_t = {args.mc_samples}, {time.time() - t0:.0f} s on {args.device})")
+    return history
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as e:
+        print(f"bgpo.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

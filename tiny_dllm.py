@@ -1,0 +1,217 @@
+"""
+A tiny masked diffusion language model (dLLM): the network, the forward (masking) process, the
+supervised loss (a negative ELBO) and the sampler.
+
+Follows LLaDA (Nie et al., 2025) and RADD (Ou et al., ICLR 2025). A clean completion y of length
+L is corrupted by replacing a random subset of its tokens with MASK; the network sees the prompt x
+and the corrupted y_t and predicts the clean token at every masked position. RADD showed that for
+masking (absorbing) diffusion the optimal predictor does not depend on the noise level t, so the
+network takes no time input: it is a plain bidirectional transformer.
+
+Simplifications versus LLaDA:
+1. 3 layers and ~0.6M parameters instead of 8B; learned absolute positions instead of RoPE;
+   LayerNorm and GELU instead of RMSNorm and SwiGLU.
+2. No attention mask: prompts are left-padded with a PAD token that the model simply learns to
+   ignore, and every task has one fixed completion length L.
+3. The supervised loss uses one masked copy per sequence, with the mask count k drawn uniformly
+   from 1..L (weight L/k) by default; LLaDA draws t ~ U(0,1) and masks each token with
+   probability t (weight 1/t). Both are unbiased for the same ELBO; the count form has far lower
+   variance on short completions (DESIGN.md sec. 6), and the 1/t form is available as scheme="iid".
+
+Shapes: B batch, M Monte Carlo samples, L completion length, P prompt length, T = P + L,
+V vocabulary, C embedding width.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    n_layer: int = 3
+    n_head: int = 4
+    n_embd: int = 128
+    max_len: int = 48      # longest prompt + completion the position table holds
+    mask_id: int = 1
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd: {self.n_embd} is not divisible by n_head={self.n_head}")
+        if not 0 <= self.mask_id < self.vocab_size:
+            raise ValueError(f"mask_id: {self.mask_id} is outside the vocabulary of {self.vocab_size}")
+
+
+# -----------------------------------------------------------------------------
+# Model: a bidirectional transformer with no time input
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
+                                 nn.Linear(4 * config.n_embd, config.n_embd))
+
+    def forward(self, h):
+        N, T, C = h.shape
+        q, k, v = self.qkv(self.ln_1(h)).split(C, dim=2)
+        q, k, v = (z.view(N, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # every token sees every token
+        h = h + self.proj(a.transpose(1, 2).reshape(N, T, C))
+        return h + self.mlp(self.ln_2(h))
+
+
+class TinyDLLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.max_len, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # MASK is noise, never a clean token: its logit is -inf, so it has probability 0.
+        never = torch.zeros(config.vocab_size, dtype=torch.bool)
+        never[config.mask_id] = True
+        self.register_buffer("never_predict", never, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens):  # (N, T) long -> (N, T, V) logits
+        N, T = tokens.shape
+        if T > self.config.max_len:
+            raise ValueError(f"tokens: length {T} exceeds config.max_len={self.config.max_len}")
+        h = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.ln_f(h))
+        return logits.masked_fill(self.never_predict, float("-inf"))
+
+
+# -----------------------------------------------------------------------------
+# Forward process: which completion tokens are masked, and the weight of each masked copy
+
+
+def mask_by_count(k, L, generator=None):
+    """(N,) mask counts -> (N, L) bool masks with exactly k[n] positions chosen uniformly."""
+    scores = torch.rand(k.shape[0], L, generator=generator)
+    ranks = scores.argsort(dim=1).argsort(dim=1)  # a uniformly random permutation per row
+    return ranks < k[:, None]
+
+
+def forward_process(N, L, generator=None, scheme="count"):
+    """One masked copy per sequence: (N, L) bool mask and (N,) weight 1/t.
+    scheme="count": k ~ U{1..L}, exactly k masked, t = k/L, weight L/k.
+    scheme="iid":   t ~ U(0,1], each token masked with probability t, weight 1/t (Eq. 4)."""
+    if scheme == "count":
+        k = torch.randint(1, L + 1, (N,), generator=generator)
+        return mask_by_count(k, L, generator), L / k.to(torch.get_default_dtype())
+    if scheme == "iid":
+        t = 1.0 - torch.rand(N, generator=generator)  # in (0, 1]: never divide by zero
+        return torch.rand(N, L, generator=generator) < t[:, None], 1.0 / t
+    raise ValueError(f"scheme: expected 'count' or 'iid', got {scheme!r}")
+
+
+def masked_log_likelihood(model, prompts, completions, mask):
+    """sum_{i masked} log p_theta(y^i | y_t, x) for each row: (N,) in the model's dtype.
+    prompts (N, P), completions (N, L), mask (N, L) bool. The prompt is never masked."""
+    P = prompts.shape[1]
+    y_t = completions.masked_fill(mask, model.config.mask_id)
+    logits = model(torch.cat([prompts, y_t], dim=1))[:, P:]             # (N, L, V)
+    logp = logits.log_softmax(-1).gather(-1, completions[..., None])[..., 0]  # (N, L)
+    return (logp * mask).sum(-1)
+
+
+def sft_loss(model, prompts, completions, generator=None, scheme="count"):
+    """Negative ELBO per completion token (Eq. 4 averaged over the batch, divided by L):
+    -(1/L) E_t [ (1/t) sum_{i masked} log p(y^i | y_t, x) ]."""
+    N, L = completions.shape
+    mask, weight = forward_process(N, L, generator, scheme)
+    mask, weight = mask.to(completions.device), weight.to(completions.device)
+    logp = masked_log_likelihood(model, prompts, completions, mask)
+    return -(weight.to(logp.dtype) * logp).mean() / L
+
+
+# -----------------------------------------------------------------------------
+# Sampler: iterative unmasking with low-confidence remasking (LLaDA Alg. 5)
+
+
+def _steps_per_block(steps, num_blocks):
+    return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
+
+
+def _tokens_per_step(block_size, steps):
+    """As even as possible: block_size tokens over `steps` steps, the larger counts first."""
+    return [block_size // steps + (s < block_size % steps) for s in range(steps)]
+
+
+@torch.no_grad()
+def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
+             return_steps=False):
+    """Fill a completion of gen_len tokens, starting all MASK.
+
+    Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
+    each step predicts every masked position, then commits only the k most confident predictions
+    and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all, remask
+    the least confident. Confidence is the model's probability of the chosen token.
+    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) with
+    the Gumbel-max trick. With return_steps=True also returns the (B, L) step index at which each
+    position was committed."""
+    steps = gen_len if steps is None else steps
+    block_len = gen_len if block_len is None else block_len
+    if not 1 <= block_len <= gen_len:
+        raise ValueError(f"block_len: expected 1..{gen_len}, got {block_len}")
+    num_blocks = math.ceil(gen_len / block_len)
+    if not num_blocks <= steps <= gen_len:
+        raise ValueError(f"steps: expected {num_blocks}..{gen_len} (one block per step at least), got {steps}")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    B, P = prompts.shape
+    mask_id = model.config.mask_id
+    x = torch.cat([prompts, torch.full((B, gen_len), mask_id, dtype=torch.long, device=prompts.device)], 1)
+    committed_at = torch.full((B, gen_len), -1, dtype=torch.long, device=prompts.device)
+    step = 0
+    for b, block_steps in enumerate(_steps_per_block(steps, num_blocks)):
+        lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
+        for k in _tokens_per_step(hi - lo, block_steps):
+            logits = model(x).float()                                    # (B, T, V)
+            if temperature > 0:
+                u = torch.rand(logits.shape, generator=generator).to(logits.device)  # CPU draws: same on every device
+                gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+                x0 = (logits + temperature * gumbel).argmax(-1)          # sample of softmax(logits/temperature)
+            else:
+                x0 = logits.argmax(-1)
+            confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]  # (B, T)
+            candidate = x == mask_id
+            candidate[:, :lo] = False
+            candidate[:, hi:] = False                                    # only the current block
+            confidence = confidence.masked_fill(~candidate, -1.0)
+            chosen = confidence.topk(k, dim=1).indices                   # (B, k)
+            x.scatter_(1, chosen, x0.gather(1, chosen))
+            committed_at.scatter_(1, chosen - P, step)
+            step += 1
+    completions = x[:, P:]
+    return (completions, committed_at) if return_steps else completions
