@@ -223,7 +223,10 @@ def group_advantages(rewards, group_size):
     if not isinstance(group_size, int) or group_size < 2 or rewards.shape[0] % group_size:
         raise ValueError(f"group_size: must be an int >= 2 dividing {rewards.shape[0]}, got {group_size!r}")
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)
+    # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would blow that up
+    tie = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)
+    return A.masked_fill(tie, 0.0).flatten()
 
 
 # -----------------------------------------------------------------------------

@@ -199,8 +199,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
         for k in _tokens_per_step(hi - lo, block_steps):
             logits = model(x).float()                                    # (B, T, V)
             if temperature > 0:
-                u = torch.rand(logits.shape, generator=generator).to(logits.device)  # CPU draws: same on every device
-                gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+                u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)  # drawn on CPU: same on every device
+                gumbel = -torch.log(-torch.log(u)).to(logits.device)
                 x0 = (logits + temperature * gumbel).argmax(-1)          # sample of softmax(logits/temperature)
             else:
                 x0 = logits.argmax(-1)
