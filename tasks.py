@@ -124,10 +124,11 @@ def parse_expression(text, max_len=32, max_abs=10**6):
     """Exact value and numbers of an arithmetic expression over + - * / ( ) and non-negative
     integers, as (Fraction, [ints]). A small recursive-descent parser instead of eval: model
     output is untrusted. Raises ParseError on anything else, division by zero, a number over
-    4 digits, or an intermediate value over max_abs, so that every call is fast and bounded."""
+    4 digits, or an intermediate value over max_abs, so that every call is fast and bounded.
+    A well-formed expression that divides by zero has value None: a wrong answer, not an error."""
     if len(text) > max_len or not text:
         raise ParseError("empty or too long")
-    pos, numbers = 0, []
+    pos, numbers, undefined = 0, [], False
 
     def peek():
         return text[pos] if pos < len(text) else ""
@@ -146,13 +147,13 @@ def parse_expression(text, max_len=32, max_abs=10**6):
         return v
 
     def term():  # term := atom (('*'|'/') atom)*
-        nonlocal pos
+        nonlocal pos, undefined
         v = atom()
         while peek() in ("*", "/"):
             op = peek(); pos += 1
             rhs = atom()
             if op == "/" and rhs == 0:
-                raise ParseError("division by zero")
+                undefined, rhs = True, Fraction(1)  # keep parsing: is the rest well formed?
             v = check(v * rhs if op == "*" else v / rhs)
         return v
 
@@ -176,7 +177,7 @@ def parse_expression(text, max_len=32, max_abs=10**6):
     value = expr()
     if pos != len(text):
         raise ParseError("trailing text")
-    return value, numbers
+    return (None if undefined else value), numbers
 
 
 class Task:

@@ -1,0 +1,357 @@
+"""
+Tests that double as demonstrations: each one states a claim in its name and checks it by
+computing one quantity two independent ways (or against a value worked out by hand).
+Everything runs in float64 on CPU, on tiny models, in seconds.
+
+    python -m pytest -q                 # all of them
+    python -m pytest -q -k equivalence  # one claim
+"""
+import itertools
+import math
+import os
+import time
+
+import pytest
+import torch
+
+import bgpo
+from bgpo import (ActivationMemory, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, exact_elbo,
+                  group_advantages, naive_loss, naive_objective, random_order_log_likelihood)
+from tasks import TOKENIZER, get_task
+from tiny_dllm import ModelConfig, TinyDLLM, generate, masked_log_likelihood, sft_loss, forward_process
+
+TASK_NAMES = ["arithmetic", "countdown", "sudoku"]
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
+    """A random model whose conditionals differ clearly from position to position."""
+    torch.manual_seed(seed)
+    model = TinyDLLM(ModelConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16, max_len=max_len, mask_id=1))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=scale)
+    return model
+
+
+def random_batch(B=6, P=3, L=5, vocab_size=10, seed=0):
+    """Prompts and completions of ordinary tokens (ids 2.., never MASK=1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab_size, (B, P), generator=g), torch.randint(2, vocab_size, (B, L), generator=g)
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def report(a, b):
+    diff = (a - b).abs()
+    return f"max |diff| {diff.max().item():.3g}, mean |diff| {diff.mean().item():.3g}"
+
+
+# -----------------------------------------------------------------------------
+# The model and the sampler
+
+
+def test_mask_is_never_predicted():
+    model = tiny_model()
+    x, y = random_batch()
+    logits = model(torch.cat([x, y], 1))
+    assert torch.isneginf(logits[..., 1]).all() and torch.isfinite(logits[..., 2:]).all()
+    assert (logits.softmax(-1)[..., 1] == 0).all()
+    for temperature in (0.0, 1.0, 5.0):
+        out = generate(model, x, 5, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        assert not (out == 1).any(), f"MASK left at temperature {temperature}"
+
+
+def test_prompt_is_never_masked():
+    model = tiny_model()
+    x, y = random_batch()
+    seen = []
+    model.register_forward_pre_hook(lambda m, inputs: seen.append(inputs[0].clone()))
+    sft_loss(model, x, y, generator=torch.Generator().manual_seed(0))
+    elbo_terms(model, x, y, draw_mc_samples(6, 5, 4, torch.Generator().manual_seed(0)))
+    for tokens in seen:
+        assert (tokens[:, :3] == x.repeat_interleave(tokens.shape[0] // 6, 0)).all()
+        assert (tokens[:, 3:] == 1).any(), "some completion token should be masked"
+
+
+def test_sft_loss_equals_hand_computation_for_a_fixed_mask():
+    model = tiny_model()
+    x, y = random_batch(B=3)
+    mask = torch.tensor([[1, 0, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]], dtype=torch.bool)
+    by_hand = []  # one row at a time, one position at a time
+    for b in range(3):
+        tokens = torch.cat([x[b], torch.where(mask[b], 1, y[b])])
+        logp = model(tokens[None])[0].log_softmax(-1)
+        by_hand.append(sum(logp[3 + i, y[b, i]] for i in range(5) if mask[b, i]))
+    got = masked_log_likelihood(model, x, y, mask)
+    assert torch.allclose(got, torch.stack(by_hand), atol=1e-12), report(got, torch.stack(by_hand))
+    # sft_loss = -(1/L) mean_b (L/k_b) * that sum, for the mask its generator draws
+    mask, weight = forward_process(3, 5, torch.Generator().manual_seed(7))
+    assert torch.equal(weight, 5.0 / mask.sum(1))
+    expected = -(weight * masked_log_likelihood(model, x, y, mask)).mean() / 5
+    got = sft_loss(model, x, y, generator=torch.Generator().manual_seed(7))
+    assert torch.allclose(got, expected, atol=1e-12), report(got, expected)
+
+
+def test_generate_leaves_no_mask_fills_blocks_in_order_and_is_deterministic_when_greedy():
+    model = tiny_model(max_len=3 + 8)
+    x, _ = random_batch()
+    out, step_of = generate(model, x, 8, steps=4, block_len=4, return_steps=True)
+    assert not (out == 1).any()
+    assert (step_of[:, :4] < 2).all() and (step_of[:, 4:] >= 2).all(), "block 2 started before block 1 ended"
+    counts = torch.stack([(step_of == s).sum(1) for s in range(4)], 1)
+    assert (counts == 2).all(), f"8 tokens in 4 steps should be 2 per step, got {counts[0].tolist()}"
+    assert torch.equal(out, generate(model, x, 8, steps=4, block_len=4))
+    assert torch.equal(generate(model, x, 8, steps=3), generate(model, x, 8, steps=3))
+    with pytest.raises(ValueError, match="steps"):
+        generate(model, x, 8, steps=9)
+
+
+# -----------------------------------------------------------------------------
+# Tasks: tokenizer, splits and rewards
+
+
+def test_tokenizer_round_trip():
+    for name in TASK_NAMES:
+        task = get_task(name)
+        prompts, answers = task.sample(50, "train", 0)
+        for text in prompts + answers:
+            assert task.decode(task.encode(text)) == text
+        y = TOKENIZER.encode_batch(answers, task.gen_len, "right")
+        assert [task.decode(row) for row in y] == answers  # EOS padding ends the answer
+    assert len({TOKENIZER.pad_id, TOKENIZER.mask_id, TOKENIZER.eos_id}) == 3
+    with pytest.raises(ValueError, match="text"):
+        TOKENIZER.encode("1+a")
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_train_and_test_splits_are_disjoint(name):
+    task = get_task(name)
+    train_p, train_a = task.sample(3000, "train", 0)
+    test_p, test_a = task.sample(300, "test", 1)
+    if name == "sudoku":  # split by solution grid
+        assert not set(train_a) & set(test_a)
+    elif name == "countdown":  # the same numbers in another order are the same problem
+        key = lambda p: (tuple(sorted(p.split(":")[0].split(","))), p.split(":")[1])
+        assert not {key(p) for p in train_p} & {key(p) for p in test_p}
+    else:
+        assert not set(train_p) & set(test_p)
+    assert all(task.reward(p, a) == 1.0 for p, a in zip(test_p, test_a)), "reference answers must score 1"
+
+
+REWARDS = [  # task, prompt, completion, reward worked out by hand
+    ("arithmetic", "482+517=", "999", 1.0),
+    ("arithmetic", "482+517=", "999$$", 1.0),
+    ("arithmetic", "482+517=", "998", 0.0),
+    ("arithmetic", "482+517=", "0999", 0.0),
+    ("countdown", "7,3,12:33", "(7+3)*3", 0.1),        # well formed, but 3 is not 12
+    ("countdown", "7,3,12:33", "3*7+12", 1.0),
+    ("countdown", "7,3,12:33", "12+7*3$", 1.0),        # another correct solution
+    ("countdown", "7,3,12:33", "12+7+3", 0.1),         # right numbers, wrong value
+    ("countdown", "7,3,12:33", "33", 0.1),             # does not use the numbers
+    ("countdown", "8,4,2:1", "8/4/2", 1.0),
+    ("countdown", "8,4,2:4", "8/(4-2)*1", 0.1),
+    ("countdown", "5,5,2:2", "5/(5-5)+2", 0.1),        # division by zero: wrong, not a crash
+    ("countdown", "5,5,2:2", "5-(5-2", 0.0),           # unbalanced
+    ("countdown", "5,5,2:2", "5--5+2", 0.0),
+    ("sudoku", "1.3.|..1.|.1..|3.2.", "1234431221433421", 1.0),
+    ("sudoku", "1.3.|..1.|.1..|3.2.", "1134331221433421", 0.8),   # 2 of 10 blanks wrong
+    ("sudoku", "1.3.|..1.|.1..|3.2.", "4234431221433421", 1.0),   # a given cell is not graded
+    ("sudoku", "1.3.|..1.|.1..|3.2.", "1234", 0.2),               # 2 of 10 blanks present and right
+]
+
+
+@pytest.mark.parametrize("name, prompt, completion, expected", REWARDS)
+def test_reward_table(name, prompt, completion, expected):
+    assert get_task(name).reward(prompt, completion) == pytest.approx(expected)
+
+
+HOSTILE = ["", " ", "x" * 1_000_000, "__import__('os').system('ls')", "9**9**9**9", "((((((((", "))))",
+           "9999999999*9999999999", "1/0", "é中🙂", "\x00\n$", "(" * 500 + "1" + ")" * 500, "1" * 100_000]
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_rewards_survive_hostile_output(name):
+    task = get_task(name)
+    prompt = task.sample(1, "test", 0)[0][0]
+    for text in HOSTILE:
+        t0 = time.perf_counter()
+        r = task.reward(prompt, text)
+        assert isinstance(r, float) and 0.0 <= r <= 1.0 and time.perf_counter() - t0 < 0.1, text[:20]
+        assert 0.0 <= task.reward(text, "1+2") <= 1.0  # even a garbage prompt does not raise
+
+
+# -----------------------------------------------------------------------------
+# The ELBO: exact value by enumeration, and its Monte Carlo estimates
+
+
+def test_exact_elbo_equals_random_order_log_likelihood_and_bounds_it():
+    model = tiny_model()
+    x, y = random_batch(B=3)
+    for b in range(3):
+        elbo = exact_elbo(model, x[b], y[b])                               # sum over 31 mask sets
+        expected_log_lik, log_expected_lik = random_order_log_likelihood(model, x[b], y[b])  # 120 orders
+        assert abs(elbo - expected_log_lik) < 1e-9, f"ELBO {elbo:.12f} vs E_sigma log p {expected_log_lik:.12f}"
+        assert elbo <= log_expected_lik + 1e-12
+        assert log_expected_lik - elbo > 1e-3, "the Jensen gap should be visible for a random model"
+
+
+@pytest.mark.parametrize("scheme", ["stratified", "iid"])
+def test_mc_elbo_is_unbiased(scheme):
+    model = tiny_model()
+    x, y = random_batch(B=1)
+    exact = exact_elbo(model, x[0], y[0])
+    n = 20000
+    with torch.no_grad():
+        l = elbo_terms(model, x, y, draw_mc_samples(1, 5, n, torch.Generator().manual_seed(1), scheme))[0]
+    se = l.std() / math.sqrt(n)
+    assert abs(l.mean() - exact) < 4 * se, f"{scheme}: MC {l.mean():.4f} vs exact {exact:.4f}, SE {se:.4f}"
+
+
+def test_stratified_has_lower_variance_than_iid():
+    model = tiny_model()
+    x, y = random_batch(B=1)
+    with torch.no_grad():
+        # variance of the n_t = 4 estimate B_hat = mean_j l_j, over 2000 independent batches of draws
+        est = {s: elbo_terms(model, x.expand(2000, -1), y.expand(2000, -1),
+                             draw_mc_samples(2000, 5, 4, torch.Generator().manual_seed(2), s)).mean(1)
+               for s in ("stratified", "iid")}
+    assert est["stratified"].var() < 0.5 * est["iid"].var(), {s: e.var().item() for s, e in est.items()}
+
+
+def test_stratified_draw_masks_at_least_one_token_and_spreads_counts():
+    mc = draw_mc_samples(50, 8, 8, torch.Generator().manual_seed(0))
+    k = mc.mask.sum(-1)                                                    # (B, M)
+    assert (k >= 1).all()
+    assert all(sorted(row) == list(range(1, 9)) for row in k.tolist()), "8 samples over L=8: each count once"
+    assert torch.equal(mc.weight, 8.0 / k)
+    k = draw_mc_samples(50, 8, 4, torch.Generator().manual_seed(0)).mask.sum(-1)
+    assert ((k.roll(-1, 1) - k) % 8 == 2).all(), "4 samples over L=8: counts 2 apart, cyclically"
+
+
+# -----------------------------------------------------------------------------
+# The objectives: equivalence on-policy, the bound off-policy, memory
+
+
+def on_policy_setup(M=6, seed=0):
+    model = tiny_model(seed)
+    x, y = random_batch(B=6)
+    mc = draw_mc_samples(6, 5, M, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        old_terms = elbo_terms(model, x, y, mc)
+    A = torch.tensor([1.5, -0.5, 0.0, -1.2, 0.7, 0.0])                   # positive, negative and zero
+    return model, x, y, mc, old_terms, A
+
+
+def test_bgpo_value_equals_naive_on_policy():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    naive = naive_loss(model, x, y, mc, old_terms, A)
+    bound = bgpo_backward(model, x, y, mc, old_terms, A)
+    assert abs(naive.item() - bound) < 1e-12 and abs(bound + A.mean().item()) < 1e-12, (naive.item(), bound)
+
+
+@pytest.mark.parametrize("mc_chunk", [1, 3, 6])
+def test_bgpo_gradient_equals_naive_on_policy(mc_chunk):
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    naive_loss(model, x, y, mc, old_terms, A).backward()
+    g_naive = grads(model)
+    model.zero_grad()
+    bgpo_backward(model, x, y, mc, old_terms, A, mc_chunk=mc_chunk)
+    g_bgpo = grads(model)
+    rel = (g_naive - g_bgpo).norm() / g_naive.norm()
+    assert rel < 1e-8, f"relative difference {rel:.3g}; {report(g_naive, g_bgpo)}"
+
+
+def test_clipping_is_inactive_on_policy():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    bgpo_backward(model, x, y, mc, old_terms, A)
+    g = grads(model)
+    model.zero_grad()
+    bgpo_backward(model, x, y, mc, old_terms, A, clip_eps=0.2, mc_chunk=2)
+    assert torch.allclose(g, grads(model), rtol=1e-10, atol=1e-14), report(g, grads(model))
+
+
+def test_bgpo_is_a_lower_bound_off_policy_and_gradients_differ():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    naive_loss(model, x, y, mc, old_terms, A).backward()
+    optimizer.step()                                                      # now theta != theta_old
+    model.zero_grad()
+    d = (elbo_terms(model, x, y, mc) - old_terms) / 5
+    naive, bound = naive_objective(d, A), bgpo_bound(d, A, 6).sum(1)      # (B,) each
+    assert (bound <= naive + 1e-12).all(), f"bound above R_hat by {(bound - naive).max():.3g}"
+    assert (naive - bound)[A != 0].min() > 0, "off-policy the bound should be strictly below where A != 0"
+    naive_loss(model, x, y, mc, old_terms, A).backward()
+    g_naive = grads(model)
+    model.zero_grad()
+    bgpo_backward(model, x, y, mc, old_terms, A)
+    rel = (g_naive - grads(model)).norm() / g_naive.norm()
+    print(f"off-policy: mean |d_j| {d.abs().mean():.3f}, R_hat - R_lb up to {(naive - bound).max():.4f}, "
+          f"relative gradient difference {rel:.3f}")
+    assert rel > 1e-4
+
+
+def test_bgpo_activation_memory_is_flat_and_naive_grows_with_n_t():
+    peak = {}
+    for M in (1, 32):
+        model, x, y, mc, old_terms, A = on_policy_setup(M)
+        with ActivationMemory(model) as naive:
+            naive_loss(model, x, y, mc, old_terms, A).backward()
+        assert naive.current == 0, "everything saved for backward is freed after it"
+        with ActivationMemory(model) as bound:
+            bgpo_backward(model, x, y, mc, old_terms, A)
+        peak[M] = naive.peak, bound.peak
+    print(f"peak activation bytes (naive, BGPO): n_t=1 {peak[1]}, n_t=32 {peak[32]}")
+    assert peak[32][1] <= 1.1 * peak[1][1], "BGPO's memory should not grow with n_t"
+    assert peak[32][0] >= 16 * peak[1][0], "the naive objective keeps all n_t graphs alive"
+
+
+def test_no_nan_or_inf_for_extreme_log_ratios():
+    d = torch.tensor([[-1.0, -3.0, 30.0, 0.0], [-50.0, 2.0, 25.0, -1.0], [700.0, 1.0, -1.5, 0.0]], requires_grad=True)
+    A = torch.tensor([1.0, -1.0, 0.5])
+    for clip_eps in (None, 0.2):
+        value = bgpo_bound(d, A, 4, clip_eps).sum()   # 1 + d for A >= 0: never log(1 + d), never exp(700)
+        (g,) = torch.autograd.grad(value, d)
+        assert torch.isfinite(value) and torch.isfinite(g).all(), (value, g)
+        value = naive_objective(d[:2], A[:2], clip_eps).sum()
+        (g,) = torch.autograd.grad(value, d)
+        assert torch.isfinite(value) and torch.isfinite(g).all(), (value, g)
+    # hand values: A=1 row: (1 + d_j) / 4; A=-1 row: -e^{d_j} / 4
+    expected = torch.stack([(1 + d[0]) / 4, -d[1].exp() / 4])
+    assert torch.allclose(bgpo_bound(d[:2], A[:2], 4), expected)
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1])
+    A = group_advantages(r, 4)
+    std = math.sqrt(((0.75 ** 2) + 3 * 0.25 ** 2) / 3)                    # unbiased std of (1, 0, 0, 0)
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6)
+    assert torch.allclose(A[:4], expected) and (A[4:] == 0).all(), A
+
+
+def test_bad_shapes_raise_value_errors_naming_the_argument():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    cases = {"completions": dict(completions=y[:5]), "old_terms": dict(old_terms=old_terms[:, :5]),
+             "advantages": dict(advantages=A[:, None]), "mc.mask": dict(mc=bgpo.MCSamples(mc.mask[:, :, :4], mc.weight)),
+             "prompts": dict(prompts=x[0])}
+    for name, override in cases.items():
+        kwargs = {**dict(model=model, prompts=x, completions=y, mc=mc, old_terms=old_terms, advantages=A), **override}
+        for fn in (naive_loss, bgpo_backward):
+            with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+                fn(**kwargs)
+    with pytest.raises(ValueError, match="advantages"):
+        bgpo_backward(model, x, y, mc, old_terms, torch.full((6,), float("nan")))
+    with pytest.raises(ValueError, match="mc_chunk"):
+        bgpo_backward(model, x, y, mc, old_terms, A, mc_chunk=0)
+    with pytest.raises(ValueError, match="n_mc"):
+        draw_mc_samples(6, 5, 0)
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(6), 4)
