@@ -285,7 +285,7 @@ class _Saved:
 SFT_STEPS = {"arithmetic": 1500, "countdown": 1500, "sudoku": 1500}  # default --sft-steps per task
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """Bad input to the command line: printed as one line, exit code 2."""
 
 
@@ -374,7 +374,7 @@ def sft_path(args):
 def run_sft(args, task):
     torch.manual_seed(args.seed)  # the initial weights
     model = make_model(task, args).to(args.device)
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {args.n_layer} layers, n_embd {args.n_embd}")
+    print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(args.seed)
     warmup = min(100, args.sft_steps // 10)

@@ -355,3 +355,100 @@ def test_bad_shapes_raise_value_errors_naming_the_argument():
         draw_mc_samples(6, 5, 0)
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(torch.zeros(6), 4)
+
+
+# -----------------------------------------------------------------------------
+# The pipeline: SFT, checkpoints, the RL loop, resume, the command line
+
+
+def tiny_args(tmp_path, *extra):
+    return bgpo.parse_args(["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                            "--sft-steps", "100", "--sft-lr", "3e-3", "--batch-size", "32", "--prompts-per-step", "2",
+                            "--group-size", "4", "--mc-samples", "4", "--rl-steps", "2", "--eval-size", "8",
+                            "--eval-every", "1", "--save-every", "1", "--out-dir", str(tmp_path),
+                            "--device", "cpu", *extra])
+
+
+def test_short_sft_lowers_the_loss_and_checkpoint_round_trips(tmp_path):
+    args, task = tiny_args(tmp_path), get_task("arithmetic")
+    x, y = bgpo.encode(task, *task.sample(256, "test", 0))
+    torch.manual_seed(args.seed)                                          # run_sft's initial weights
+    before = sft_loss(bgpo.make_model(task, args), x, y, torch.Generator().manual_seed(0)).item()
+    model = bgpo.run_sft(args, task)
+    after = sft_loss(model, x, y, torch.Generator().manual_seed(0)).item()
+    assert after < 0.8 * before, f"held-out SFT loss {before:.3f} -> {after:.3f}"
+
+    loaded, _ = bgpo.load_model(bgpo.sft_path(args), task, args)
+    tokens = torch.cat([x, y], 1)[:16]
+    assert torch.equal(model(tokens), loaded(tokens))
+    with pytest.raises(ValueError, match="made for task 'arithmetic', not 'countdown'"):
+        bgpo.load_checkpoint(bgpo.sft_path(args), get_task("countdown"))
+    with pytest.raises(ValueError, match="another model config"):
+        bgpo.load_model(bgpo.sft_path(args), task, tiny_args(tmp_path, "--n-embd", "32"))
+    with open(tmp_path / "broken.pt", "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        bgpo.load_checkpoint(str(tmp_path / "broken.pt"), task)
+
+
+@pytest.mark.parametrize("objective", ["bgpo", "naive"])
+def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
+    history = bgpo.main(["--objective", objective] + tiny_args_list(tmp_path))
+    assert [h["step"] for h in history] == [0, 1, 2]
+    run = tmp_path / f"arithmetic_{objective}_nt4_u1_seed0"
+    lines = (run / "log.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and (run / "ckpt.pt").exists()
+
+
+def tiny_args_list(tmp_path, *extra):
+    return list(vars_to_argv(tiny_args(tmp_path))) + list(extra)
+
+
+def vars_to_argv(args):
+    for flag in ("task", "n_layer", "n_embd", "n_head", "sft_steps", "sft_lr", "batch_size", "prompts_per_step", "group_size",
+                 "mc_samples", "rl_steps", "eval_size", "eval_every", "save_every", "out_dir", "device"):
+        yield "--" + flag.replace("_", "-")
+        yield str(getattr(args, flag))
+
+
+def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_path):
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    new_params = {}
+    for objective in ("bgpo", "naive"):
+        torch.manual_seed(0)
+        m = tiny_model()
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        bgpo.rl_update(m, optimizer, tiny_args(tmp_path, "--objective", objective), x, y, mc, old_terms, A)
+        new_params[objective] = torch.cat([p.detach().flatten() for p in m.parameters()])
+    moved = (new_params["bgpo"] - torch.cat([p.detach().flatten() for p in model.parameters()])).abs().max()
+    assert moved > 1e-3, "the update should move the parameters"
+    assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), report(*new_params.values())
+
+
+def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
+    argv = tiny_args_list(tmp_path)
+    bgpo.main(argv + ["--rl-steps", "4", "--run-name", "straight"])
+    bgpo.main(argv + ["--rl-steps", "2", "--run-name", "interrupted"])
+    bgpo.main(argv + ["--rl-steps", "4", "--run-name", "interrupted", "--resume", "--stage", "rl"])
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "interrupted" / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == 4
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert (tmp_path / "straight" / "log.jsonl").read_text().count("\n") == 4
+    assert (tmp_path / "interrupted" / "log.jsonl").read_text().count("\n") == 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "chess"], "unknown task"),
+    (["--sft-steps", "0"], "positive integer"),
+    (["--mc-samples", "4", "--mc-chunk", "8"], "larger than --mc-samples"),
+    (["--group-size", "1"], "at least 2"),
+    (["--updates-per-batch", "0"], "at least 1"),
+    (["--resume", "--run-name", "nothing-here"], "no run to resume"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        tiny_args(tmp_path, *extra)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
