@@ -88,7 +88,7 @@ def elbo_terms(model, prompts, completions, mc):
     _check_shapes(prompts, completions, mc)
     (B, M), L = mc.weight.shape, completions.shape[1]
     logp = masked_log_likelihood(model, prompts.repeat_interleave(M, 0),
-                                 completions.repeat_interleave(M, 0), mc.mask.reshape(B * M, L))
+                                 completions.repeat_interleave(M, 0), mc.mask.reshape(B * M, L).to(completions.device))
     return mc.weight.to(logp) * logp.view(B, M)
 
 
@@ -282,11 +282,12 @@ class _Saved:
 # 4. The pipeline: data, evaluation, checkpoints
 
 
-SFT_STEPS = {"arithmetic": 1500, "countdown": 1500, "sudoku": 1500}  # default --sft-steps per task
+SFT_STEPS = {"arithmetic": 1200, "countdown": 1500, "sudoku": 115}  # default --sft-steps per task
 
 
-class UsageError(ValueError):
-    """Bad input to the command line: printed as one line, exit code 2."""
+class RunError(ValueError):
+    """Bad input, a bad checkpoint or a diverged run: the command line prints it as one line
+    and exits with code 2."""
 
 
 def pick_device(name):
@@ -296,7 +297,7 @@ def pick_device(name):
         return "mps" if torch.backends.mps.is_available() else "cpu"
     if name not in ("cpu", "cuda", "mps") or (name == "cuda" and not torch.cuda.is_available()) \
             or (name == "mps" and not torch.backends.mps.is_available()):
-        raise UsageError(f"--device {name} is not available here")
+        raise RunError(f"--device {name} is not available here")
     return name
 
 
@@ -346,19 +347,19 @@ def save_checkpoint(path, **state):
 def load_checkpoint(path, task, config=None):
     """Load and check that a checkpoint was made for this task, tokenizer and model config."""
     if not os.path.isfile(path):
-        raise UsageError(f"no checkpoint at {path}")
+        raise RunError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         made_for = (state["task"], state["vocab"], state["config"])
     except Exception as e:
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+        raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
     if made_for[0] != task.name:
-        raise UsageError(f"{path} was made for task {made_for[0]!r}, not {task.name!r}")
+        raise RunError(f"{path} was made for task {made_for[0]!r}, not {task.name!r}")
     if made_for[1] != task.tokenizer.itos:
-        raise UsageError(f"{path} was made with another tokenizer")
+        raise RunError(f"{path} was made with another tokenizer")
     if config is not None and made_for[2] != asdict(config):
         diff = {k: v for k, v in made_for[2].items() if asdict(config).get(k) != v}
-        raise UsageError(f"{path} was made for another model config: {diff}")
+        raise RunError(f"{path} was made for another model config: {diff}")
     return state
 
 
@@ -473,9 +474,9 @@ def run_rl(args, task, model):
         with ActivationMemory(model) as memory:
             for _ in range(args.updates_per_batch):
                 loss = rl_update(model, optimizer, args, x, y, mc, old_terms, A)
-                if not math.isfinite(loss):
-                    raise UsageError(f"loss is {loss} at RL step {step}; stopping. The last good checkpoint is "
-                                     f"{ckpt_path} (step {good_step})" if good_step else f"loss is {loss} at RL step {step}; stopping")
+                if not math.isfinite(loss):  # the update was skipped; the checkpoint on disk is untouched
+                    kept = f"{ckpt_path} (step {good_step})" if good_step else "none yet"
+                    raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: {kept}")
         # 6-8. log, evaluate, save
         record = {"step": step, "reward": rewards.mean().item(), "loss": loss,
                   "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0}
@@ -618,16 +619,16 @@ def parse_args(argv=None):
     p.add_argument("--sft-lr", type=positive_float, default=1e-3, help="SFT peak learning rate (default: %(default)s)")
     p.add_argument("--sft-ckpt", default=None, help="SFT checkpoint to write or read (default: a name in --out-dir made from the settings)")
     # RL
-    p.add_argument("--rl-steps", type=positive_int, default=150, help="RL steps, one rollout batch each (default: %(default)s)")
+    p.add_argument("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each (default: %(default)s)")
     p.add_argument("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's lower bound or the naive ELBO objective (default: %(default)s)")
     p.add_argument("--prompts-per-step", type=positive_int, default=16, help="prompts per RL step (default: %(default)s)")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt, G (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="rollout temperature (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (default: %(default)s)")
     p.add_argument("--mc-samples", type=positive_int, default=16, help="MC samples n_t per completion (default: %(default)s)")
     p.add_argument("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO (default: %(default)s)")
     p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
     p.add_argument("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1 (default: %(default)s)")
-    p.add_argument("--rl-lr", type=positive_float, default=1e-4, help="RL learning rate (default: %(default)s)")
+    p.add_argument("--rl-lr", type=positive_float, default=5e-5, help="RL learning rate (default: %(default)s)")
     p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
     p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
@@ -664,7 +665,7 @@ def parse_args(argv=None):
         p.error("--resume continues an RL run; use it with --stage rl or all")
     try:
         args.device = pick_device(args.device)
-    except UsageError as e:
+    except RunError as e:
         p.error(str(e))
     return args
 
@@ -699,6 +700,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as e:
+    except RunError as e:
         print(f"bgpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -322,8 +322,8 @@ class Sudoku(Task):
     """A 4x4 grid with blanks ('.') and exactly one solution; rows are separated by '|' in the
     prompt. The answer is the full solved grid as 16 digits. Train and test are split by solution
     grid, so no test solution is ever seen in training."""
-    min_blanks: int = 6
-    max_blanks: int = 10
+    min_blanks: int = 10
+    max_blanks: int = 12
     name: str = "sudoku"
     test_percent: int = 20
 
