@@ -364,8 +364,10 @@ def load_checkpoint(path, task, config=None):
 
 
 def sft_path(args):
-    return args.sft_ckpt or os.path.join(
-        args.out_dir, f"sft_{args.task}_{args.sft_steps}steps_l{args.n_layer}_e{args.n_embd}_seed{args.seed}.pt")
+    """The SFT checkpoint's name records every setting that changes it, so a matching one is reused."""
+    name = (f"sft_{args.task}_{args.sft_steps}x{args.batch_size}_lr{args.sft_lr:g}"
+            f"_l{args.n_layer}h{args.n_head}e{args.n_embd}_seed{args.seed}.pt")
+    return args.sft_ckpt or os.path.join(args.out_dir, name)
 
 
 # -----------------------------------------------------------------------------
@@ -681,7 +683,7 @@ def main(argv=None):
         model = run_sft(args, task)
     else:
         model, _ = load_model(sft_path(args), task, args)
-        print(f"loaded the SFT model from {sft_path(args)}")
+        print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
     if args.stage == "sft":
         result = evaluate(model, task, task.sample(args.eval_size, "test", 1234)[0], args)
         print(f"SFT held-out accuracy {result['accuracy']:.1%}, mean reward {result['reward']:.3f}")
