@@ -156,7 +156,7 @@ def sft_loss(model, prompts, completions, generator=None, scheme="count"):
 
 
 # -----------------------------------------------------------------------------
-# Sampler: iterative unmasking with low-confidence remasking (LLaDA Alg. 5)
+# Sampler: iterative unmasking with low-confidence remasking (LLaDA, Nie et al. 2025)
 
 
 def _steps_per_block(steps, num_blocks):
