@@ -101,6 +101,8 @@ class TinyDLLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens):  # (N, T) long -> (N, T, V) logits
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens: expected a (B, T) long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         N, T = tokens.shape
         if T > self.config.max_len:
             raise ValueError(f"tokens: length {T} exceeds config.max_len={self.config.max_len}")
