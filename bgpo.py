@@ -18,8 +18,8 @@ Simplifications versus the paper and its official code:
 2. The log-ratio d_j is divided by the completion length L (as the official code does; the paper
    text does not); on-policy this only rescales the gradient, off-policy it keeps ratios near 1.
 3. No KL term and one update per rollout batch by default, as in the paper's main runs.
-4. Group advantages use the unbiased (n-1) standard deviation, as torch.std does in the official
-   code's TRL base.
+4. Group advantages use the unbiased (n-1) standard deviation, torch.std's default (as in TRL's
+   GRPO trainer), and a group whose rewards are all equal gets exactly 0.
 
 Shapes: B batch (= prompts x G), G group size, M Monte Carlo samples (n_t), L completion length,
 P prompt length, T = P + L, V vocabulary.
