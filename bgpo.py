@@ -558,13 +558,13 @@ def bench_memory(args, task):
     print(f"model {model.num_params() / 1e6:.2f}M params | task {task.name} | batch B = {args.group_size} x "
           f"{args.prompts_per_step} = {B}, L = {task.gen_len} | device {args.device} | "
           f"median of {args.bench_repeats} update steps")
-    head = f"{'n_t':>4} | {'naive MB':>9} {'BGPO MB':>8} {'ratio':>6} | {'naive s':>8} {'BGPO s':>7} {'ratio':>6}"
+    head = f"{'n_t':>4} | {'naive MB':>9} {'BGPO MB':>8} {'naive/BGPO':>10} | {'naive s':>8} {'BGPO s':>7} {'BGPO/naive':>10}"
     head += f" | {'naive CUDA MB':>13} {'BGPO CUDA MB':>12}" if cuda else ""
     print(head)
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         naive, bgpo = measure("naive", n_t, 1), measure("bgpo", n_t, 1)
-        row = (f"{n_t:>4} | {naive[0]:>9.1f} {bgpo[0]:>8.1f} {naive[0] / bgpo[0]:>6.2f} | "
-               f"{naive[1]:>8.3f} {bgpo[1]:>7.3f} {bgpo[1] / naive[1]:>6.2f}")
+        row = (f"{n_t:>4} | {naive[0]:>9.1f} {bgpo[0]:>8.1f} {naive[0] / bgpo[0]:>10.2f} | "
+               f"{naive[1]:>8.3f} {bgpo[1]:>7.3f} {bgpo[1] / naive[1]:>10.2f}")
         print(row + (f" | {naive[2]:>13.1f} {bgpo[2]:>12.1f}" if cuda else ""), flush=True)
     n_t = args.mc_samples
     print(f"\nBGPO at n_t = {n_t}: --mc-chunk trades memory for speed")
