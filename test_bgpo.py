@@ -452,3 +452,18 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
         tiny_args(tmp_path, *extra)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    real = bgpo.bgpo_backward
+    calls = []
+
+    def nan_on_second_step(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs) if len(calls) == 1 else float("nan")
+
+    monkeypatch.setattr(bgpo, "bgpo_backward", nan_on_second_step)
+    with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
+        bgpo.main(tiny_args_list(tmp_path, "--rl-steps", "3"))
+    kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)
+    assert kept["step"] == 1
