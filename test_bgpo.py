@@ -361,12 +361,16 @@ def test_bad_shapes_raise_value_errors_naming_the_argument():
 # The pipeline: SFT, checkpoints, the RL loop, resume, the command line
 
 
+def tiny_argv(tmp_path, *extra):
+    """Command-line flags for a model and run small enough to train in seconds."""
+    return ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--sft-steps", "100", "--sft-lr", "3e-3", "--batch-size", "32", "--prompts-per-step", "2",
+            "--group-size", "4", "--mc-samples", "4", "--rl-steps", "2", "--eval-size", "8",
+            "--eval-every", "1", "--save-every", "1", "--out-dir", str(tmp_path), "--device", "cpu", *extra]
+
+
 def tiny_args(tmp_path, *extra):
-    return bgpo.parse_args(["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-                            "--sft-steps", "100", "--sft-lr", "3e-3", "--batch-size", "32", "--prompts-per-step", "2",
-                            "--group-size", "4", "--mc-samples", "4", "--rl-steps", "2", "--eval-size", "8",
-                            "--eval-every", "1", "--save-every", "1", "--out-dir", str(tmp_path),
-                            "--device", "cpu", *extra])
+    return bgpo.parse_args(tiny_argv(tmp_path, *extra))
 
 
 def test_short_sft_lowers_the_loss_and_checkpoint_round_trips(tmp_path):
@@ -393,22 +397,11 @@ def test_short_sft_lowers_the_loss_and_checkpoint_round_trips(tmp_path):
 
 @pytest.mark.parametrize("objective", ["bgpo", "naive"])
 def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
-    history = bgpo.main(["--objective", objective] + tiny_args_list(tmp_path))
+    history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))
     assert [h["step"] for h in history] == [0, 1, 2]
     run = tmp_path / f"arithmetic_{objective}_nt4_u1_seed0"
     lines = (run / "log.jsonl").read_text().splitlines()
     assert len(lines) == 2 and (run / "ckpt.pt").exists()
-
-
-def tiny_args_list(tmp_path, *extra):
-    return list(vars_to_argv(tiny_args(tmp_path))) + list(extra)
-
-
-def vars_to_argv(args):
-    for flag in ("task", "n_layer", "n_embd", "n_head", "sft_steps", "sft_lr", "batch_size", "prompts_per_step", "group_size",
-                 "mc_samples", "rl_steps", "eval_size", "eval_every", "save_every", "out_dir", "device"):
-        yield "--" + flag.replace("_", "-")
-        yield str(getattr(args, flag))
 
 
 def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_path):
@@ -426,7 +419,7 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
 
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
-    argv = tiny_args_list(tmp_path)
+    argv = tiny_argv(tmp_path)
     bgpo.main(argv + ["--rl-steps", "4", "--run-name", "straight"])
     bgpo.main(argv + ["--rl-steps", "2", "--run-name", "interrupted"])
     bgpo.main(argv + ["--rl-steps", "4", "--run-name", "interrupted", "--resume", "--stage", "rl"])
@@ -464,6 +457,6 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
 
     monkeypatch.setattr(bgpo, "bgpo_backward", nan_on_second_step)
     with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
-        bgpo.main(tiny_args_list(tmp_path, "--rl-steps", "3"))
+        bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)
     assert kept["step"] == 1
