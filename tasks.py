@@ -123,9 +123,9 @@ class ParseError(Exception):
 def parse_expression(text, max_len=32, max_abs=10**6):
     """Exact value and numbers of an arithmetic expression over + - * / ( ) and non-negative
     integers, as (Fraction, [ints]). A small recursive-descent parser instead of eval: model
-    output is untrusted. Raises ParseError on anything else, division by zero, a number over
-    4 digits, or an intermediate value over max_abs, so that every call is fast and bounded.
-    A well-formed expression that divides by zero has value None: a wrong answer, not an error."""
+    output is untrusted. Raises ParseError on anything else, a number over 4 digits, or an
+    intermediate value over max_abs, so that every call is fast and bounded. A well-formed
+    expression that divides by zero has value None: a wrong answer, not an error."""
     if len(text) > max_len or not text:
         raise ParseError("empty or too long")
     pos, numbers, undefined = 0, [], False
