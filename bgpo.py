@@ -336,6 +336,14 @@ def evaluate(model, task, prompts, args, n_show=3):
     return {"accuracy": accuracy, "reward": sum(rewards) / len(rewards), "examples": shown}
 
 
+def evaluate_all(model, task, eval_prompts, pool, args):
+    """evaluate() on the held-out set, plus the exact-solve rate on the RL pool if there is one."""
+    result = evaluate(model, task, eval_prompts, args)
+    if pool:
+        result["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
+    return result
+
+
 def save_checkpoint(path, **state):
     """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -435,6 +443,9 @@ def run_rl(args, task, model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(args.seed + 1)
     eval_prompts, _ = task.sample(args.eval_size, "test", 1234)
+    # --rl-pool N: practise on a fixed pool of N training problems instead of fresh ones each step,
+    # and also evaluate on (up to --eval-size of) them, to separate learning a problem from transfer
+    pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
     G, B = args.group_size, args.group_size * args.prompts_per_step
     start, history = 1, []
     if args.resume:
@@ -446,8 +457,9 @@ def run_rl(args, task, model):
         print(f"resumed {ckpt_path} at step {state['step']}")
     else:
         os.makedirs(run_dir, exist_ok=True)
-        history.append({"step": 0, **evaluate(model, task, eval_prompts, args)})
-        print(f"step 0 (SFT model): accuracy {history[0]['accuracy']:.1%}, reward {history[0]['reward']:.3f}")
+        history.append({"step": 0, **evaluate_all(model, task, eval_prompts, pool, args)})
+        print(f"step 0 (SFT model): accuracy {history[0]['accuracy']:.1%}, reward {history[0]['reward']:.3f}"
+              + (f", pool accuracy {history[0]['pool_accuracy']:.1%}" if pool else ""))
         print("\n".join(history[0]["examples"]))
     # keep the log consistent with the checkpoint: drop lines written after it
     lines = open(log_path).read().splitlines() if args.resume and os.path.exists(log_path) else []
@@ -458,7 +470,10 @@ def run_rl(args, task, model):
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
         # 1-2. prompts, and G completions of each from the current policy
-        prompts, _ = task.sample(args.prompts_per_step, "train", g)
+        if pool:
+            prompts = [pool[i] for i in torch.randperm(len(pool), generator=g)[:args.prompts_per_step]]
+        else:
+            prompts, _ = task.sample(args.prompts_per_step, "train", g)
         prompts = [p for p in prompts for _ in range(G)]                         # B = prompts x G
         x = encode(task, prompts, device=args.device)                            # (B, P)
         model.eval()
@@ -472,7 +487,9 @@ def run_rl(args, task, model):
         mc = draw_mc_samples(B, task.gen_len, args.mc_samples, g).to(args.device)
         with torch.no_grad():
             old_terms = elbo_terms(model, x, y, mc)                              # (B, M)
-        # 5. update(s)
+        # 5. update(s), the learning rate warmed up linearly over the first --rl-warmup steps
+        for group in optimizer.param_groups:
+            group["lr"] = args.rl_lr * min(1.0, step / args.rl_warmup) if args.rl_warmup else args.rl_lr
         with ActivationMemory(model) as memory:
             for _ in range(args.updates_per_batch):
                 loss = rl_update(model, optimizer, args, x, y, mc, old_terms, A)
@@ -484,10 +501,14 @@ def run_rl(args, task, model):
                   "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0}
         line = f"step {step:4d} | reward {record['reward']:.3f} | loss {loss:+.4f} | act {record['activation_mb']:.1f} MB | {record['seconds']:.2f} s"
         if step % args.eval_every == 0 or step == args.rl_steps:
-            result = evaluate(model, task, eval_prompts, args)
+            result = evaluate_all(model, task, eval_prompts, pool, args)
             history.append({"step": step, **result})
             record["accuracy"] = result["accuracy"]
-            line += f" | held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n" + "\n".join(result["examples"])
+            line += f" | held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})"
+            if pool:
+                record["pool_accuracy"] = result["pool_accuracy"]
+                line += f" | pool accuracy {result['pool_accuracy']:.1%}"
+            line += "\n" + "\n".join(result["examples"])
         print(line)
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -631,10 +652,12 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
     p.add_argument("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1 (default: %(default)s)")
     p.add_argument("--rl-lr", type=positive_float, default=5e-5, help="RL learning rate (default: %(default)s)")
+    p.add_argument("--rl-warmup", type=int, default=0, help="RL steps of linear learning-rate warmup (default: %(default)s)")
+    p.add_argument("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
     p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
     p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
-    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK_seedS)")
+    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK[_poolN]_seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
     p.add_argument("--plot", action="store_true", help="write curves.png to the run folder if matplotlib is installed (default: %(default)s)")
     # sampler
@@ -646,7 +669,8 @@ def parse_args(argv=None):
         p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
     L = get_task(args.task).gen_len
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
-    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}_seed{args.seed}"
+    pool = f"_pool{args.rl_pool}" if args.rl_pool else ""
+    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}{pool}_seed{args.seed}"
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.group_size < 2:
@@ -661,6 +685,12 @@ def parse_args(argv=None):
         p.error(f"--block-len and --gen-steps must be at most the completion length {L} of {args.task}")
     if args.gen_steps and args.gen_steps < math.ceil(L / (args.block_len or L)):
         p.error(f"--gen-steps must be at least the number of blocks, {math.ceil(L / (args.block_len or L))}")
+    if args.rl_warmup < 0:
+        p.error(f"--rl-warmup must be >= 0, got {args.rl_warmup}")
+    if args.rl_pool < 0:
+        p.error(f"--rl-pool must be >= 0, got {args.rl_pool}")
+    if 0 < args.rl_pool < args.prompts_per_step:
+        p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     if args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")):
         p.error(f"--resume: no run to resume at {os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}")
     if args.resume and args.stage == "sft":

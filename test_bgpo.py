@@ -404,6 +404,34 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     assert len(lines) == 2 and (run / "ckpt.pt").exists()
 
 
+def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_path, monkeypatch):
+    real, rollout_prompts = bgpo.encode, []
+
+    def recording_encode(task, prompts, answers=None, device="cpu"):
+        if len(prompts) == 2 * 4:                                        # prompts-per-step x group-size
+            rollout_prompts.extend(prompts)
+        return real(task, prompts, answers, device)
+
+    monkeypatch.setattr(bgpo, "encode", recording_encode)
+    history = bgpo.main(tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5"))
+    pool, _ = get_task("arithmetic").sample(3, "train", 0 + 2)           # seed + 2, as run_rl draws it
+    assert len(rollout_prompts) == 3 * 8 and set(rollout_prompts) <= set(pool)
+    assert all(0.0 <= h["pool_accuracy"] <= 1.0 for h in history)
+    assert (tmp_path / "arithmetic_bgpo_nt4_u1_pool3_seed0" / "ckpt.pt").exists()
+
+
+def test_rl_warmup_raises_the_learning_rate_linearly(tmp_path, monkeypatch):
+    real, lrs = bgpo.rl_update, []
+
+    def recording_update(model, optimizer, *args):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        return real(model, optimizer, *args)
+
+    monkeypatch.setattr(bgpo, "rl_update", recording_update)
+    bgpo.main(tiny_argv(tmp_path, "--rl-lr", "1e-3", "--rl-warmup", "4", "--rl-steps", "6", "--eval-every", "6"))
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
+
+
 def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_path):
     model, x, y, mc, old_terms, A = on_policy_setup()
     new_params = {}
@@ -439,6 +467,7 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--group-size", "1"], "at least 2"),
     (["--updates-per-batch", "0"], "at least 1"),
     (["--resume", "--run-name", "nothing-here"], "no run to resume"),
+    (["--rl-pool", "1"], "smaller than --prompts-per-step"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
