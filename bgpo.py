@@ -669,8 +669,8 @@ def parse_args(argv=None):
         p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
     L = get_task(args.task).gen_len
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
-    pool = f"_pool{args.rl_pool}" if args.rl_pool else ""
-    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}{pool}_seed{args.seed}"
+    pool_tag = f"_pool{args.rl_pool}" if args.rl_pool else ""
+    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}{pool_tag}_seed{args.seed}"
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.group_size < 2:
