@@ -612,6 +612,12 @@ def positive_int(s):
     return int(s)
 
 
+def non_negative_int(s):
+    if not s.lstrip("-").isdigit() or int(s) < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return int(s)
+
+
 def positive_float(s):
     try:
         v = float(s)
@@ -652,8 +658,8 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
     p.add_argument("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1 (default: %(default)s)")
     p.add_argument("--rl-lr", type=positive_float, default=5e-5, help="RL learning rate (default: %(default)s)")
-    p.add_argument("--rl-warmup", type=int, default=0, help="RL steps of linear learning-rate warmup (default: %(default)s)")
-    p.add_argument("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
+    p.add_argument("--rl-warmup", type=non_negative_int, default=0, help="RL steps of linear learning-rate warmup (default: %(default)s)")
+    p.add_argument("--rl-pool", type=non_negative_int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
     p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
     p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
@@ -685,10 +691,6 @@ def parse_args(argv=None):
         p.error(f"--block-len and --gen-steps must be at most the completion length {L} of {args.task}")
     if args.gen_steps and args.gen_steps < math.ceil(L / (args.block_len or L)):
         p.error(f"--gen-steps must be at least the number of blocks, {math.ceil(L / (args.block_len or L))}")
-    if args.rl_warmup < 0:
-        p.error(f"--rl-warmup must be >= 0, got {args.rl_warmup}")
-    if args.rl_pool < 0:
-        p.error(f"--rl-pool must be >= 0, got {args.rl_pool}")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     if args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")):

@@ -468,6 +468,8 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--updates-per-batch", "0"], "at least 1"),
     (["--resume", "--run-name", "nothing-here"], "no run to resume"),
     (["--rl-pool", "1"], "smaller than --prompts-per-step"),
+    (["--rl-pool", "-1"], "integer >= 0"),
+    (["--rl-warmup", "-3"], "integer >= 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
