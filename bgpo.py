@@ -33,7 +33,6 @@ import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass
-from itertools import combinations, permutations
 
 import torch
 from tqdm import tqdm
@@ -92,47 +91,61 @@ def elbo_terms(model, prompts, completions, mc):
     return mc.weight.to(logp) * logp.view(B, M)
 
 
-def _log_probs_under_every_mask(model, prompt, completion):
-    """{masked set S: (L,) log p(y^i | y with S masked, x)} for every non-empty S, in one batch."""
+def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
+    """The enumeration table behind every exact quantity: for one prompt (P,) and completion (L,),
+    masks (N, L) bool, every non-empty subset S of the L positions, and logp (N, L), where
+    logp[S, i] = log p(y^i | y with S masked, x). Row r is the subset whose bitmask is r + 1
+    (bit i = position i), so N = 2^L - 1 and a subset's row is found by arithmetic.
+    Differentiable; chunk bounds the rows per forward pass (under no_grad, the peak memory)."""
     L = completion.shape[0]
-    subsets = [S for k in range(1, L + 1) for S in combinations(range(L), k)]
-    mask = torch.zeros(len(subsets), L, dtype=torch.bool)
-    for row, S in enumerate(subsets):
-        mask[row, list(S)] = True
-    mask = mask.to(completion.device)
-    N = len(subsets)
-    y_t = completion.expand(N, L).masked_fill(mask, model.config.mask_id)
-    with torch.no_grad():
-        logits = model(torch.cat([prompt.expand(N, -1), y_t], 1))[:, prompt.shape[0]:]
-        logp = logits.log_softmax(-1).gather(-1, completion.expand(N, L)[..., None])[..., 0]
-    return dict(zip(subsets, logp))
+    bits = torch.arange(1, 2**L, device=completion.device)
+    masks = (bits[:, None] >> torch.arange(L, device=completion.device)) & 1 == 1       # (N, L)
+    rows = [masked_log_likelihood(model, prompt.expand(len(m), -1), completion.expand(len(m), L), m, per_token=True)
+            for m in masks.split(chunk)]
+    return masks, torch.cat(rows)
 
 
 def exact_elbo(model, prompt, completion):
-    """The ELBO by enumerating mask sets (L <= 6): for one prompt (P,) and completion (L,),
-    B = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x).
-    Both MC schemes have this expectation. RADD's theorem: it equals the expected
+    """The ELBO by enumerating the 2^L - 1 mask sets (L <= 10 in seconds on a CPU):
+    B = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x),
+    that is, sum_S a(S) / (k C(L, k)) with a(S) the masked log-likelihood and k = |S|.
+    Differentiable. Both MC schemes have this expectation. RADD's theorem: it equals the expected
     log-likelihood of an any-order autoregressive model over uniformly random orders."""
-    table, L = _log_probs_under_every_mask(model, prompt, completion), completion.shape[0]
-    total = 0.0
-    for k in range(1, L + 1):
-        sets = list(combinations(range(L), k))
-        total += sum(table[S][list(S)].sum() for S in sets) / (k * len(sets))
-    return total
+    return elbo_from_table(*log_probs_under_every_mask(model, prompt, completion))
+
+
+def elbo_from_table(masks, logp):
+    L, k = masks.shape[1], masks.sum(1)
+    a = (logp * masks).sum(1)                                                        # a(S)
+    n_sets = torch.tensor([math.comb(L, int(j)) for j in k], dtype=logp.dtype, device=logp.device)
+    return (a / (k * n_sets)).sum()
 
 
 def random_order_log_likelihood(model, prompt, completion):
-    """Enumerates all L! orders sigma of unmasking, each a left-to-right factorisation
-    log p_sigma(y) = sum_n log p(y^sigma(n) | y^sigma(<n), x), where the not-yet-revealed tokens are
-    MASK. Returns (E_sigma log p_sigma(y), log E_sigma p_sigma(y)): the first equals the ELBO
-    (RADD), the second is an upper bound on it by Jensen."""
-    table, L = _log_probs_under_every_mask(model, prompt, completion), completion.shape[0]
-    per_order = []
-    for sigma in permutations(range(L)):
-        # at step n, positions sigma[n:] are still masked and sigma[n] is revealed
-        per_order.append(sum(table[tuple(sorted(sigma[n:]))][sigma[n]] for n in range(L)))
-    per_order = torch.stack(per_order)
-    return per_order.mean(), per_order.logsumexp(0) - math.log(len(per_order))
+    """The likelihood of an any-order autoregressive model that reveals y one uniformly random
+    position at a time, each predicted with the not-yet-revealed positions masked. Returns
+    (E_sigma log p_sigma(y), log E_sigma p_sigma(y)): the first equals the ELBO (RADD), the second
+    is an upper bound on it by Jensen. The L! orders sigma are not enumerated: dynamic programming
+    over the 2^L sets S of still-masked positions gives both, with f(empty) = g(empty) = 0,
+        f(S) = (1/|S|) sum_{i in S} [log p(y^i | S masked) + f(S - i)]
+        g(S) = log (1/|S|) sum_{i in S} exp(log p(y^i | S masked) + g(S - i)),
+    and the answer is (f, g) of the full set. Differentiable."""
+    return random_order_from_table(*log_probs_under_every_mask(model, prompt, completion))
+
+
+def random_order_from_table(masks, logp):
+    L = masks.shape[1]
+    size, bit = masks.sum(1), 1 << torch.arange(L, device=masks.device)
+    f = g = logp.new_zeros(2**L)                                     # indexed by bitmask; f[0] = 0
+    for k in range(1, L + 1):
+        rows = (size == k).nonzero()[:, 0]                           # the sets of size k
+        S = rows + 1
+        child = S[:, None] & ~bit                                    # S - i for each i (S itself if i not in S)
+        inside = masks[rows]
+        f = f.index_put((S,), ((logp[rows] + f[child]) * inside).sum(1) / k)
+        term = (logp[rows] + g[child]).masked_fill(~inside, float("-inf"))
+        g = g.index_put((S,), term.logsumexp(1) - math.log(k))
+    return f[-1], g[-1]
 
 
 # -----------------------------------------------------------------------------
@@ -637,6 +650,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and sampling (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps (default: %(default)s)")
     p.add_argument("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit (default: %(default)s)")
+    p.add_argument("--bench-estimators", action="store_true", help="measure every likelihood estimator of estimators.py against exact enumeration on the SFT model's rollouts, then exit (default: %(default)s)")
     p.add_argument("--bench-repeats", type=positive_int, default=3, help="update steps timed per row of --bench-memory (default: %(default)s)")
     # model
     p.add_argument("--n-layer", type=positive_int, default=3, help="transformer blocks (default: %(default)s)")
@@ -711,11 +725,15 @@ def main(argv=None):
     if args.bench_memory:
         return bench_memory(args, task)
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
-    if args.stage in ("sft", "all") and not (args.stage == "all" and os.path.isfile(sft_path(args))):
+    reuse = args.stage == "all" or args.bench_estimators
+    if args.stage in ("sft", "all") and not (reuse and os.path.isfile(sft_path(args))):
         model = run_sft(args, task)
     else:
         model, _ = load_model(sft_path(args), task, args)
         print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
+    if args.bench_estimators:
+        from estimators import bench_estimators  # a chapter of its own; it imports this file
+        return bench_estimators(args, task, model)
     if args.stage == "sft":
         result = evaluate(model, task, task.sample(args.eval_size, "test", 1234)[0], args)
         print(f"SFT held-out accuracy {result['accuracy']:.1%}, mean reward {result['reward']:.3f}")

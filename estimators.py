@@ -1,0 +1,597 @@
+"""
+The other ways the field estimates a dLLM's log-likelihood for RL, and a lab that measures every
+estimator against exact enumeration: the BGPO paper's Fig. 3, in small.
+
+An RL objective for a masked diffusion LM needs log pi_theta(y|x), which is intractable. BGPO
+(bgpo.py) estimates the ELBO with n_t masked copies. The other methods:
+- coupled masks: DiffuCoder (Gong et al. 2025, coupled-GRPO) scores each token once with a mask
+  and once with its complement; antithetic_elbo is a pair of our design that stays unbiased;
+- d1's diffu-GRPO (Zhao et al. 2025): one forward pass with the whole completion masked, prompt
+  tokens masked with probability 0.15 (a mean-field approximation);
+- the sampler's own trajectory (TraceRL-style), and dTRPO ("Trajectory Reduction in Policy
+  Optimization of Diffusion LLMs", 2026): only the tokens newly unmasked at one sampled step per block;
+- STP ("Efficient and Stable RL for Diffusion Language Models", Liu et al. 2026): anchor tokens
+  from a static prior that are never masked (spatial pruning).
+Completions here have 4-16 tokens, so every estimator's mean and variance can be computed exactly,
+by enumerating its randomness (mask sets, steps, prompt masks) with their probabilities.
+
+Read in this order: 1. the estimators, 2. their exact moments, 3. the lab
+(`python bgpo.py --bench-estimators`), which prints a likelihood table, the Fig. 3 gradient table,
+and the signal-to-noise of the RL gradient.
+
+Where the toy versions depart from their papers:
+1. DiffuCoder draws one mask ratio t for the whole batch; here each sequence draws its own, so
+   sequences are independent draws.
+2. d1 masks every prompt position with probability 0.15, padding included; so does
+   one_step_log_likelihood. d1 averages per-token terms over the batch's tokens; the lab's
+   surrogate divides by L, the same thing when every completion has L tokens (ours do).
+3. dTRPO uses block attention to fit all of a sequence's sampled states into one row; with full
+   attention we use one row per block, all blocks in one batched forward. The step of a block is
+   drawn among the steps that committed at least one of its tokens (a step that commits nothing adds
+   0 to the sum, so the estimate stays unbiased, with a smaller scale and variance).
+4. STP: the count-form ELBO restricted to the free positions (weight F/k), not the STP code's
+   unweighted per-token mean over masked copies; the anchors are Sudoku's given cells, not the
+   highest-confidence tokens of an offline LLaDA completion. Temporal pruning (early stop) changes
+   rollouts, not the estimator; it is not here.
+
+Shapes: B batch, L completion length, P prompt length, K sampler steps, N enumerated sets.
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from bgpo import (ActivationMemory, bgpo_backward, draw_mc_samples, elbo_from_table, elbo_terms, encode,
+                  group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table)
+from tiny_dllm import generate, mask_by_count, masked_log_likelihood
+
+# -----------------------------------------------------------------------------
+# 1. The estimators: each returns one value per sequence, (B,), in nats, with gradients
+
+
+def antithetic_elbo(model, prompts, completions, generator=None):
+    """A coupled pair of our design, unbiased for the ELBO. Draw k ~ U{1..L} and a uniform k-subset S
+    as in the count form; its complement S^c is then a uniform (L-k)-subset, and
+        X = 1/2 [ (L/k) a(S) + (L/(L-k)) a(S^c) ]     for k < L
+        X = a(all positions)                         for k = L, whose complement is empty,
+    with a(S) = sum_{i in S} log p(y^i | y with S masked, x). With e_k the mean of (L/k) a(S) over
+    k-subsets, E[X] = (1/L) [sum_{k<L} (e_k + e_{L-k}) / 2 + e_L] = (1/L) sum_k e_k = the ELBO.
+    Every token is scored exactly once. Two forward passes per pair."""
+    B, L = completions.shape
+    k = torch.randint(1, L + 1, (B,), generator=generator)
+    S = mask_by_count(k, L, generator)
+    full = k == L
+    S_c = torch.where(full[:, None], S, ~S)
+    dtype = torch.get_default_dtype()
+    w = torch.stack([L / k.to(dtype), torch.where(full, 1.0, L / (L - k).clamp(min=1).to(dtype))])  # (2, B)
+    logp = masked_log_likelihood(model, prompts.repeat(2, 1), completions.repeat(2, 1),
+                                 torch.cat([S, S_c]).to(completions.device))
+    return (w.to(logp).flatten() * logp).view(2, B).mean(0)
+
+
+def diffucoder_coupled(model, prompts, completions, generator=None, per_token=False):
+    """DiffuCoder's coupled estimate as published: t ~ U(0.2, 0.8), each position masked with
+    probability t (the set S), and three forward passes: all masked, S masked, S^c masked. Per token
+        l_i = 1/2 [ log p(y^i | all masked) + 1[i in S]/t log p(y^i | S masked)
+                                            + 1[i not in S]/(1-t) log p(y^i | S^c masked) ].
+    Biased for both the ELBO and log pi: its mean is half the one-step mean field plus the ELBO's
+    t-integrand averaged over [0.2, 0.8] instead of [0, 1], so roughly 1.5 times the ELBO."""
+    B, L = completions.shape
+    t = 0.2 + 0.6 * torch.rand(B, 1, generator=generator)
+    S = torch.rand(B, L, generator=generator) < t
+    masks = torch.cat([torch.ones_like(S), S, ~S]).to(completions.device)
+    logp = masked_log_likelihood(model, prompts.repeat(3, 1), completions.repeat(3, 1), masks, per_token=True)
+    logp, S, t = logp.view(3, B, L), S.to(logp.device), t.to(logp)
+    l = 0.5 * (logp[0] + S * logp[1] / t + ~S * logp[2] / (1 - t))                  # (B, L)
+    return l if per_token else l.sum(1)
+
+
+def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, generator=None, per_token=False):
+    """d1's mean-field estimate (diffu-GRPO): log pi(y|x) ~ sum_i log p(y^i | x~, completion all MASK),
+    one forward pass, where x~ is the prompt with each position masked with probability
+    prompt_mask_prob (d1: 0.15). With 0 it is deterministic. Biased for log pi and for the ELBO:
+    every token is predicted with no completion context at all."""
+    if not 0.0 <= prompt_mask_prob < 1.0:
+        raise ValueError(f"prompt_mask_prob: expected a probability in [0, 1), got {prompt_mask_prob!r}")
+    if prompt_mask_prob > 0:
+        hide = torch.rand(prompts.shape, generator=generator) < prompt_mask_prob
+        prompts = prompts.masked_fill(hide.to(prompts.device), model.config.mask_id)
+    everything = torch.ones_like(completions, dtype=torch.bool)
+    logp = masked_log_likelihood(model, prompts, completions, everything, per_token=True)   # (B, L)
+    return logp if per_token else logp.sum(1)
+
+
+def _check_commit_steps(completions, commit_steps):
+    if tuple(commit_steps.shape) != tuple(completions.shape):
+        raise ValueError(f"commit_steps: expected {tuple(completions.shape)}, got {tuple(commit_steps.shape)}")
+    if (commit_steps < 0).any():
+        raise ValueError("commit_steps: every position must have been committed (a step >= 0)")
+
+
+def trajectory_log_likelihood(model, prompts, completions, commit_steps, per_token=False):
+    """The sum over sampler steps s of the log-probability of the tokens committed at step s, given
+    the state before it (the positions committed at steps >= s still masked):
+        T(y) = sum_s sum_{i: commit_i = s} log p(y^i | y with {j: commit_j >= s} masked, x).
+    commit_steps (B, L) is what generate(..., return_steps=True) records. What it is: with random
+    remasking (positions chosen uniformly), the trajectory's log-probability is T(y) plus the log-
+    probability of the chosen positions, a term that does not depend on the model, so T carries all
+    of its gradient. With low-confidence remasking (generate's), which positions are committed depends
+    on the model's confidences; T leaves that choice out. One forward pass per step, K in all."""
+    _check_commit_steps(completions, commit_steps)
+    B, L = completions.shape
+    K = int(commit_steps.max()) + 1
+    s = torch.arange(K, device=commit_steps.device)[None, :, None]
+    masked_before = commit_steps[:, None, :] >= s                                    # (B, K, L)
+    logp = masked_log_likelihood(model, prompts.repeat_interleave(K, 0), completions.repeat_interleave(K, 0),
+                                 masked_before.flatten(0, 1), per_token=True).view(B, K, L)
+    per_position = (logp * (commit_steps[:, None, :] == s)).sum(1)                  # each token at its own step
+    return per_position if per_token else per_position.sum(1)
+
+
+def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None):
+    """dTRPO's estimate of T(y) (trajectory_log_likelihood): in each block b, one step t_b drawn
+    uniformly among the K_b steps that committed the block's tokens, scaled by K_b:
+        X = sum_b K_b sum_{i: commit_i = t_b} log p(y^i | y with {j: commit_j >= t_b} masked, x).
+    E_{t_b}[K_b Delta_{t_b}] = sum_{t in block b} Delta_t, so E[X] = T(y): unbiased for the trajectory
+    sum, with one forward pass per block instead of one per step (all blocks in one batch)."""
+    _check_commit_steps(completions, commit_steps)
+    B, L = completions.shape
+    block_len = block_len or L
+    K = int(commit_steps.max()) + 1
+    steps = torch.arange(K, device=commit_steps.device)
+    states, new, scale = [], [], []
+    for lo in range(0, L, block_len):
+        block = commit_steps[:, lo:lo + block_len]
+        present = (block[:, :, None] == steps).any(1)                                # (B, K): steps of this block
+        scores = torch.rand(B, K, generator=generator).to(present.device).masked_fill(~present, -1.0)
+        t = scores.argmax(1, keepdim=True)                                           # (B, 1), uniform over present
+        in_block = torch.zeros_like(commit_steps, dtype=torch.bool)
+        in_block[:, lo:lo + block_len] = True
+        states.append(commit_steps >= t)
+        new.append((commit_steps == t) & in_block)
+        scale.append(present.sum(1))
+    nb = len(states)
+    logp = masked_log_likelihood(model, prompts.repeat(nb, 1), completions.repeat(nb, 1), torch.cat(states),
+                                 per_token=True)
+    delta = (logp * torch.cat(new)).sum(1)                                           # (nb * B,)
+    return (torch.cat(scale).to(delta) * delta).view(nb, B).sum(0)
+
+
+def stp_log_likelihood(model, prompts, completions, anchors, generator=None):
+    """STP's spatial pruning, in ELBO form: the anchors (B, L) bool are never masked. With F free
+    positions, k ~ U{1..F}, S a uniform k-subset of the free positions, X = (F/k) a(S). Unbiased for
+    the ELBO of the free tokens given the anchors (the anchors move into the context). We use this
+    form rather than the STP code's unweighted mean over masked copies because it is an ELBO: its
+    bias and variance sit in the same table as BGPO's, and it drops into BGPO's bound unchanged.
+    With no anchors it is the count form of the ELBO."""
+    B, L = completions.shape
+    if tuple(anchors.shape) != (B, L) or anchors.dtype != torch.bool:
+        raise ValueError(f"anchors: expected a ({B}, {L}) bool tensor, got {tuple(anchors.shape)} {anchors.dtype}")
+    anchors = anchors.cpu()
+    F = (~anchors).sum(1)
+    if (F == 0).any():
+        raise ValueError("anchors: every sequence needs at least one free position")
+    k = (torch.rand(B, generator=generator) * F).long() + 1                          # U{1..F}
+    scores = torch.rand(B, L, generator=generator).masked_fill(anchors, 2.0)         # anchors rank last
+    S = scores.argsort(1).argsort(1) < k[:, None]
+    logp = masked_log_likelihood(model, prompts, completions, S.to(completions.device))
+    return (F / k).to(logp) * logp
+
+
+def sudoku_anchors(prompts):
+    """STP's static prior on Sudoku: the given cells, which the completion (the full grid) repeats."""
+    return torch.tensor([[c != "." for c in p.replace("|", "")] for p in prompts])
+
+
+def average_of_draws(estimator, n, model, prompts, completions, *per_row, **options):
+    """The mean of n independent draws of an estimator, as one batch of n * B rows: its memory
+    grows with n (what a batched implementation of these methods does)."""
+    B = prompts.shape[0]
+    rep = [t.repeat_interleave(n, 0) for t in (prompts, completions, *per_row)]
+    return estimator(model, *rep, **options).view(B, n).mean(1)
+
+
+# -----------------------------------------------------------------------------
+# 2. Exact moments: every estimator's mean and variance by enumeration of its randomness
+#
+# All of them read one table per sequence, log_probs_under_every_mask (bgpo.py): logp[S, i] for
+# every mask set S. a[S] = sum_{i in S} logp[S, i] over all 2^L bitmasks (a[0] = 0) is the only
+# quantity the ELBO estimators see; the trajectory's states are mask sets too.
+
+
+def _bits(L):
+    S = torch.arange(2**L)
+    return ((S[:, None] >> torch.arange(L)) & 1).bool()                             # (2^L, L)
+
+
+def _size_stats(a, L, free=None):
+    """For k = 1..F: the mean and the population variance of a(S) over the k-subsets S of the free
+    positions (all L if free is None)."""
+    inside = _bits(L)
+    size = inside.sum(1)
+    ok = torch.ones(2**L, dtype=torch.bool) if free is None else ~(inside & ~free).any(1)
+    F = L if free is None else int(free.sum())
+    return [(a[ok & (size == k)].mean(), a[ok & (size == k)].var(unbiased=False)) for k in range(1, F + 1)]
+
+
+def count_form_moments(stats):
+    """One draw of X = (F/k) a(S), k ~ U{1..F}: (mean, variance). n independent draws: variance / n."""
+    F = len(stats)
+    mean = sum(F / k * m for k, (m, v) in enumerate(stats, 1)) / F
+    second = sum((F / k) ** 2 * (v + m**2) for k, (m, v) in enumerate(stats, 1)) / F
+    return mean, second - mean**2
+
+
+def stratified_moments(stats, n_t):
+    """draw_mc_samples' stratified scheme with n_t samples: k_0 ~ U{1..L} fixes the n_t counts,
+    then the subsets are independent. Var = E_k0 Var(X | k_0) + Var_k0 E(X | k_0)."""
+    L = len(stats)
+    offsets = [round(j * L / n_t) for j in range(n_t)]
+    cond_mean, cond_var = [], []
+    for k0 in range(1, L + 1):
+        ks = [(k0 - 1 + o) % L + 1 for o in offsets]
+        cond_mean.append(sum(L / k * stats[k - 1][0] for k in ks) / n_t)
+        cond_var.append(sum((L / k) ** 2 * stats[k - 1][1] for k in ks) / n_t**2)
+    cond_mean = torch.stack(cond_mean)
+    return cond_mean.mean(), torch.stack(cond_var).mean() + cond_mean.var(unbiased=False)
+
+
+def antithetic_moments(a, L):
+    """antithetic_elbo: P(S) = 1 / (L C(L, k)) for every non-empty S."""
+    inside = _bits(L)
+    k = inside.sum(1)[1:].to(a)
+    S = torch.arange(1, 2**L)
+    comp = (2**L - 1) ^ S
+    x = torch.where(k == L, a[S], 0.5 * (L / k * a[S] + L / (L - k).clamp(min=1) * a[comp]))
+    p = torch.tensor([1 / (L * math.comb(L, int(j))) for j in k]).to(a)
+    mean = (p * x).sum()
+    return mean, (p * x**2).sum() - mean**2
+
+
+def diffucoder_moments(a, mean_field, L, nodes=64):
+    """diffucoder_coupled: X(t, S) = 1/2 [MF + a(S)/t + a(S^c)/(1-t)], t ~ U(0.2, 0.8), P(S | t) =
+    t^k (1-t)^(L-k). Exact over S; over t, Gauss-Legendre quadrature of the smooth integrand on
+    [0.2, 0.8] (64 nodes: error far below float64 rounding of the sums)."""
+    u, w = np.polynomial.legendre.leggauss(nodes)
+    k = _bits(L).sum(1).to(a)
+    comp = (2**L - 1) ^ torch.arange(2**L)
+    mean = second = 0.0
+    for t, wt in zip(0.5 + 0.3 * u, w / 2):                                          # U(0.2, 0.8) = 0.5 + 0.3 U(-1, 1)
+        p = t**k * (1 - t) ** (L - k)
+        x = 0.5 * (mean_field + a / t + a[comp] / (1 - t))
+        mean, second = mean + wt * (p * x).sum(), second + wt * (p * x**2).sum()
+    return mean, second - mean**2
+
+
+def trajectory_moments(logp_full, commit_steps, block_len):
+    """T(y) read off the table (the state before step s is the set {j: commit_j >= s}), and dTRPO's
+    exact moments: its blocks are independent, so Var = sum_b K_b^2 Var_{t in b}(Delta_t)."""
+    L = commit_steps.shape[0]
+    bit = 1 << torch.arange(L)
+    total, var = 0.0, 0.0
+    for lo in range(0, L, block_len):
+        in_block, deltas = torch.arange(L) // block_len == lo // block_len, []
+        for s in commit_steps[in_block].unique():
+            state = int(bit[commit_steps >= s].sum())
+            deltas.append(logp_full[state][(commit_steps == s) & in_block].sum())
+        deltas = torch.stack(deltas)
+        total, var = total + deltas.sum(), var + len(deltas) ** 2 * deltas.var(unbiased=False)
+    return total, var
+
+
+def one_step_prompt_mask_moments(model, prompt, completions, p, chunk=1024, weights=None):
+    """one_step_log_likelihood with prompt masking, exactly: every one of the 2^P prompt masks m,
+    with P(m) = p^|m| (1-p)^(P-|m|). The G completions of one prompt share each forward pass (the
+    completion is all MASK, so the input does not depend on it). Returns (G,) means and variances,
+    or, given weights (G,), backpropagates sum_g weights_g E[X_g] instead (the exact gradient)."""
+    P, (G, L) = prompt.shape[0], completions.shape
+    masks = _bits(P).to(prompt.device)
+    prob = (p ** masks.sum(1) * (1 - p) ** (P - masks.sum(1))).to(torch.get_default_dtype())
+    mean = second = 0.0
+    for m, pm in zip(masks.split(chunk), prob.split(chunk)):
+        x = prompt.expand(len(m), P).masked_fill(m, model.config.mask_id)
+        y_t = torch.full((len(m), L), model.config.mask_id, device=prompt.device)
+        logp = model(torch.cat([x, y_t], 1))[:, P:].log_softmax(-1)                  # (n, L, V)
+        vals = logp.gather(-1, completions.T[None].expand(len(m), L, G)).sum(1)       # (n, G)
+        pm = pm.to(vals)
+        if weights is not None:
+            (pm @ vals @ weights).backward()
+            continue
+        vals = vals.detach()
+        mean, second = mean + pm @ vals, second + pm @ vals**2
+    return None if weights is not None else (mean, second - mean**2)
+
+
+def exact_table(model, prompt, completion):
+    """The per-sequence enumeration, detached and in float64."""
+    with torch.no_grad():
+        masks, logp = log_probs_under_every_mask(model, prompt, completion)
+    masks, logp = masks.cpu(), logp.double().cpu()
+    full = torch.cat([logp.new_zeros(1, masks.shape[1]), logp])                       # row = bitmask
+    return masks, logp, (full * _bits(masks.shape[1])).sum(1), full
+
+
+def anchored_elbo(model, prompt, completion, free):
+    """stp_log_likelihood's exact mean: sum over the non-empty subsets S of the F free positions of
+    a(S) / (k C(F, k)), the ELBO of the free tokens with the anchors in the context. Differentiable."""
+    positions = free.nonzero()[:, 0]
+    F, L = len(positions), completion.shape[0]
+    pick = _bits(F)[1:].to(completion.device)                                        # (2^F - 1, F)
+    masks = torch.zeros(len(pick), L, dtype=torch.bool, device=completion.device)
+    masks[:, positions] = pick
+    a = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L), masks)
+    k = pick.sum(1)
+    return (a / (k * torch.tensor([math.comb(F, int(j)) for j in k]).to(a))).sum()
+
+
+# -----------------------------------------------------------------------------
+# 3. The lab: python bgpo.py --bench-estimators
+
+N_T = (1, 2, 4, 8, 16, 32, 64)
+REPEATS = 8                              # recomputations per gradient, as in the paper's Fig. 3
+
+
+def lab_batch(task):
+    """A fixed batch of 4 prompts x G = 8 rollouts; 2 x 2 on Sudoku, whose 2^16 mask sets per
+    sequence take about a minute each with the default model on 2 CPU cores."""
+    return (4, 8) if task.gen_len <= 12 else (2, 2)
+
+
+def _rollouts(model, task, prompts, args, seed):
+    G = lab_batch(task)[1]
+    prompts = [p for p in prompts for _ in range(G)]
+    x = encode(task, prompts, device=args.device)
+    y, commit = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
+                         temperature=args.temperature, generator=torch.Generator().manual_seed(seed), return_steps=True)
+    rewards = torch.tensor([task.reward(p, task.decode(c)) for p, c in zip(prompts, y.cpu())])
+    return x, y, commit, group_advantages(rewards, G).to(args.device), rewards
+
+
+def _gradient(model, run):
+    """Runs one objective's forward and backward; returns the flat gradient and the peak MB autograd held."""
+    model.zero_grad(set_to_none=True)
+    with ActivationMemory(model) as memory:
+        run()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).double().cpu(), memory.peak / 2**20
+
+
+def _surrogate(A, L, estimate):
+    """On-policy, every objective of the family has the gradient of -mean_b A_b X_b / L, with X the
+    method's log-likelihood estimate (for BGPO and the naive objective this is DESIGN.md sec. 4)."""
+    return lambda: (-(A.to(torch.get_default_dtype()) * estimate()).mean() / L).backward()
+
+
+def _cos(u, v):
+    return float(u @ v / (u.norm() * v.norm()))
+
+
+def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt_mask_prob=0.15):
+    """Exact mean and variance of every estimator, per sequence, and the two reference values."""
+    B, L = y.shape
+    rows = {}
+    def add(name, fwd, mean, var):                                                  # var: of one draw, or a function of n
+        rows.setdefault(name, {"fwd": fwd, "mean": [], "var": []})
+        rows[name]["mean"].append(float(mean))
+        rows[name]["var"].append([float(var(n)) if callable(var) else float(var) / n for n in N_T])
+    elbo, ro = [], []
+    for b in range(B):
+        masks, logp, a, full = exact_table(model, x[b], y[b])
+        elbo.append(float(elbo_from_table(masks, logp)))
+        ro.append(float(random_order_from_table(masks, logp)[1]))
+        stats = _size_stats(a, L)
+        add("ELBO, iid 1/t", "n", elbo[-1], float("inf"))
+        add("ELBO, stratified (BGPO)", "n", elbo[-1], lambda n: stratified_moments(stats, n)[1])
+        add("antithetic pair (ours)", "2n", *antithetic_moments(a, L))
+        mean_field = full[-1].sum()
+        add("DiffuCoder coupled", "3n", *diffucoder_moments(a, mean_field, L))
+        add("one-step, no prompt mask", "1", mean_field, 0.0)
+        K = int(commit[b].max()) + 1
+        add("trajectory, all steps", str(K), *trajectory_moments(full, commit[b].cpu(), L)[:1], 0.0)
+        nb = math.ceil(L / block_len)
+        add("dTRPO, 1 step per block", f"{nb}n" if nb > 1 else "n", *trajectory_moments(full, commit[b].cpu(), block_len))
+        if anchors is not None:
+            add("count form, no anchors", "n", *count_form_moments(stats))
+            add("STP, anchors never masked", "n", *count_form_moments(_size_stats(a, L, ~anchors[b])))
+    if x.shape[1] <= 14:                                                            # 2^P prompt masks
+        for b in range(0, B, group):                                                # a group shares its prompt
+            with torch.no_grad():
+                mean, var = one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob)
+            for m, v in zip(mean.tolist(), var.tolist()):
+                add(f"one-step, prompt mask {prompt_mask_prob} (d1)", "n", m, v)
+    return elbo, ro, rows
+
+
+def print_likelihood_table(elbo, ro, rows):
+    print(f"\n1. Likelihood estimators, exact by enumeration ({len(elbo)} sequences; mean ELBO {np.mean(elbo):.3f} nats,"
+          f" mean log random-order likelihood {np.mean(ro):.3f})")
+    print("n = independent draws (pairs for the antithetic estimator); fwd = forward passes per sequence;"
+          " sd = root mean variance over sequences")
+    print(f"{'estimator':<30} {'bias vs ELBO':>12} {'vs log p_RO':>11} {'fwd':>5} | sd at n = "
+          + " ".join(f"{n:>6}" for n in N_T))
+    for name, r in rows.items():
+        bias = np.mean(r["mean"]) - np.mean(elbo)
+        bias_ro = np.mean(r["mean"]) - np.mean(ro)
+        sd = np.sqrt(np.mean(r["var"], 0)) if "n" in r["fwd"] else np.sqrt(np.mean(r["var"], 0))[:1]
+        print(f"{name:<30} {bias:>+12.3f} {bias_ro:>+11.3f} {r['fwd']:>5} |" + " " * 11
+              + " ".join(f"{s:>6.3f}" if np.isfinite(s) else f"{'inf':>6}" for s in sd))
+
+
+def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, prompt_mask_prob=0.15):
+    """The Fig. 3 analogue, on-policy with fixed advantages: for each objective and n_t, REPEATS
+    gradients with fresh draws, compared with the objective's own exact expected gradient and with
+    the exact ELBO gradient."""
+    B, L = y.shape
+    live = (A != 0).nonzero()[:, 0].tolist()                                        # A = 0 adds nothing
+    scale = -A.to(torch.get_default_dtype()) / (B * L)
+
+    def exact_elbo_run():
+        for b in live:
+            (scale[b] * elbo_from_table(*log_probs_under_every_mask(model, x[b], y[b]))).backward()
+
+    def own_one_step():
+        for b in range(0, B, group):
+            one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob, weights=scale[b:b + group])
+
+    def own_stp():
+        for b in live:
+            (scale[b] * anchored_elbo(model, x[b], y[b], ~anchors[b])).backward()
+
+    def bgpo_run(n, g):
+        mc = draw_mc_samples(B, L, n, g).to(x.device)
+        with torch.no_grad():
+            old = elbo_terms(model, x, y, mc)
+        return lambda: bgpo_backward(model, x, y, mc, old, A)
+
+    def naive_run(n, g):
+        mc = draw_mc_samples(B, L, n, g).to(x.device)
+        with torch.no_grad():
+            old = elbo_terms(model, x, y, mc)
+        return lambda: naive_loss(model, x, y, mc, old, A).backward()
+
+    objectives = {}  # name -> (run for n draws and a generator, own exact expected gradient's run)
+    if anchors is None:                                                             # 2^L mask sets per sequence
+        golden = exact_elbo_run
+        objectives["BGPO = naive (ELBO)"] = (bgpo_run, exact_elbo_run)
+        if x.shape[1] <= 14:
+            objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
+                one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)), own_one_step)
+    else:
+        golden = None
+        objectives["STP (anchored ELBO)"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
+            stp_log_likelihood, n, model, x, y, anchors, generator=g)), own_stp)
+    objectives["dTRPO (1 step per block)"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
+        dtrpo_log_likelihood, n, model, x, y, commit, block_len=block_len, generator=g)),
+        _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))
+
+    g_elbo = _gradient(model, golden)[0] if golden else None
+    results = {}
+    for name, (run, own) in objectives.items():
+        g_own = _gradient(model, own)[0]
+        rows = []
+        for n in N_T:
+            draws = [_gradient(model, run(n, torch.Generator().manual_seed(1000 * n + r))) for r in range(REPEATS)]
+            G = torch.stack([d[0] for d in draws])                                  # (REPEATS, parameters)
+            std, norm = G.std(0), g_own.norm()
+            row = {"n_t": n, "std": float(std.mean()), "act_mb": draws[0][1],
+                   "rel_single": float(np.mean([float((g - g_own).norm() / norm) for g in G])),
+                   "rel_mean": float((G.mean(0) - g_own).norm() / norm),
+                   "floor": float(std.square().sum().sqrt() / math.sqrt(REPEATS) / norm),
+                   "cos": float(np.mean([_cos(g, g_own) for g in G]))}
+            if g_elbo is not None:
+                row["rel_mean_elbo"] = float((G.mean(0) - g_elbo).norm() / g_elbo.norm())
+            if name.startswith("BGPO"):
+                row["naive_act_mb"] = _gradient(model, naive_run(n, torch.Generator().manual_seed(n)))[1]
+            rows.append(row)
+        results[name] = {"rows": rows, "own_vs_elbo": None if g_elbo is None else
+                         float((g_own - g_elbo).norm() / g_elbo.norm())}
+    return results
+
+
+def print_gradient_table(results):
+    print(f"\n2. Gradient of the RL objective, on-policy, fixed advantages ({REPEATS} recomputations per row; relative"
+          " distances are L2 norms divided by the golden gradient's)")
+    for name, r in results.items():
+        head = f"{name}: golden = its own exact expected gradient"
+        if r["own_vs_elbo"] is not None:
+            head += f", which is {r['own_vs_elbo']:.3f} (relative) from the exact ELBO gradient"
+        print(head)
+        naive = "naive MB" if "naive_act_mb" in r["rows"][0] else ""
+        print(f"  {'n_t':>4} {'mean std':>10} {'rel. 1 draw':>11} {'rel. mean of 8':>14} {'floor':>7} {'cos':>6}"
+              f" {'vs ELBO':>8} {'act MB':>8} {naive:>9}")
+        for row in r["rows"]:
+            line = (f"  {row['n_t']:>4} {row['std']:>10.2e} {row['rel_single']:>11.3f} {row['rel_mean']:>14.3f}"
+                    f" {row['floor']:>7.3f} {row['cos']:>6.3f} {row.get('rel_mean_elbo', float('nan')):>8.3f}"
+                    f" {row['act_mb']:>8.1f}")
+            if "naive_act_mb" in row:
+                line += f" {row['naive_act_mb']:>9.1f}" + (" <- naive holds more" if row["naive_act_mb"] > 1.01 * row["act_mb"] else "")
+            print(line)
+
+
+def signal_to_noise(model, task, prompts, args, batch1, n_values=(1, 4, 16, 64), pairs=4):
+    """Is RL limited by MC noise or by rollout noise? Cosines between BGPO gradients: two MC draws on
+    the same rollouts, and two independent rollout batches of the same prompts; n_t = inf is exact."""
+    batch2 = _rollouts(model, task, prompts, args, seed=args.seed + 7)
+    L = task.gen_len
+
+    def grad(batch, n, seed):
+        x, y, _, A, _ = batch
+        mc = draw_mc_samples(x.shape[0], L, n, torch.Generator().manual_seed(seed)).to(x.device)
+        with torch.no_grad():
+            old = elbo_terms(model, x, y, mc)
+        return _gradient(model, lambda: bgpo_backward(model, x, y, mc, old, A))[0]
+
+    rows = []
+    for n in n_values:
+        same = [_cos(grad(batch1, n, 10 * r), grad(batch1, n, 10 * r + 1)) for r in range(pairs)]
+        other = [_cos(grad(batch1, n, 10 * r + 2), grad(batch2, n, 10 * r + 3)) for r in range(pairs)]
+        rows.append({"n_t": n, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
+    exact = []
+    for x, y, _, A, _ in (batch1, batch2):
+        B = x.shape[0]
+        exact.append(_gradient(model, lambda: [(-A[b] / (B * L) * elbo_from_table(*log_probs_under_every_mask(
+            model, x[b], y[b]))).backward() for b in range(B) if A[b] != 0])[0])
+    rows.append({"n_t": "inf", "cos_mc": 1.0, "cos_rollouts": _cos(*exact)})
+    print(f"\n3. Signal to noise of the RL gradient (BGPO, mean cosine over {pairs} pairs)")
+    print(f"  {'n_t':>4} {'two MC draws, same rollouts':>28} {'two rollout batches, same prompts':>34}")
+    for row in rows:
+        print(f"  {row['n_t']:>4} {row['cos_mc']:>28.3f} {row['cos_rollouts']:>34.3f}")
+    return rows
+
+
+def plot_fig3(results, png_path):
+    """Fig. 3 in small: gradient std and distance from the exact ELBO gradient against n_t, log-log."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; skipping the figure")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for name, r in results.items():
+        n = [row["n_t"] for row in r["rows"]]
+        left.plot(n, [row["std"] for row in r["rows"]], "o-", label=name)
+        if "rel_mean_elbo" in r["rows"][0]:
+            right.plot(n, [row["rel_mean_elbo"] for row in r["rows"]], "o-", label=name)
+    for ax, title in ((left, "gradient std (mean per parameter)"), (right, "distance of the 8-draw mean\nfrom the exact ELBO gradient")):
+        ax.set(xscale="log", yscale="log", xlabel="n_t", title=title)
+        ax.title.set_fontsize(9)
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    print(f"wrote {png_path}")
+
+
+def bench_estimators(args, task, model):
+    """Every estimator on one fixed batch of the SFT model's own rollouts: three tables and a JSON file."""
+    t0 = time.time()
+    model.eval()  # no dropout here; eval only keeps the sampler's state as generate leaves it
+    n_prompts, G = lab_batch(task)
+    prompts, _ = task.sample(n_prompts, "train", args.seed + 3)
+    batch = _rollouts(model, task, prompts, args, seed=args.seed + 5)
+    x, y, commit, A, rewards = batch
+    block_len = args.block_len or task.gen_len
+    anchors = sudoku_anchors([p for p in prompts for _ in range(G)]).to(x.device) if task.name == "sudoku" else None
+    print(f"{n_prompts} prompts x G = {G} rollouts of the SFT model on {task.name} (L = {task.gen_len}, temperature "
+          f"{args.temperature}): mean reward {rewards.mean():.3f}, {int((A != 0).sum())} sequences with A != 0")
+    elbo, ro, rows = likelihood_table(model, x, y, commit, block_len, G, anchors)
+    print_likelihood_table(elbo, ro, rows)
+    if anchors is not None:
+        stp = np.array(rows["STP, anchors never masked"]["var"])[:, 0]
+        plain = np.array(rows["count form, no anchors"]["var"])[:, 0]
+        print(f"STP's variance claim: Var(anchored) < Var(no anchors) for {int((stp < plain).sum())} of {len(stp)} "
+              f"sequences; mean ratio {np.mean(stp / plain):.3f}")
+    results = gradient_table(model, x, y, commit, A, block_len, G, anchors)
+    print_gradient_table(results)
+    snr = signal_to_noise(model, task, prompts, args, batch) if anchors is None else None
+    path = os.path.join(args.out_dir, f"estimators_{task.name}.json")
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows,
+                   "gradient": results, "signal_to_noise": snr}, f, indent=1)
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s, SFT excluded)")
+    if args.plot:
+        plot_fig3(results, os.path.join(args.out_dir, f"estimators_{task.name}.png"))
