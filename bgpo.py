@@ -403,7 +403,8 @@ def run_sft(args, task):
     g = torch.Generator().manual_seed(args.seed)
     warmup = min(100, args.sft_steps // 10)
     schedule = lambda s: min(1.0, (s + 1) / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.sft_steps)))
-    bar = tqdm(range(args.sft_steps), desc=f"SFT {args.task}", disable=None)
+    bar = tqdm(range(args.sft_steps), desc=f"SFT {args.task}", disable=None)  # hidden when not on a terminal
+    t_start = last_print = time.time()
     for step in bar:
         x, y = encode(task, *task.sample(args.batch_size, "train", g), device=args.device)
         for group in optimizer.param_groups:
@@ -415,6 +416,10 @@ def run_sft(args, task):
         optimizer.step()
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
+        if bar.disable and (time.time() - last_print >= 30 or step + 1 == args.sft_steps):
+            last_print, rate = time.time(), (step + 1) / (time.time() - t_start)
+            print(f"SFT step {step + 1}/{args.sft_steps} | loss {loss.item():.4f} | {rate:.1f} steps/s | "
+                  f"{(args.sft_steps - step - 1) / rate:.0f} s left")
     path = sft_path(args)
     save_checkpoint(path, stage="sft", task=task.name, vocab=task.tokenizer.itos, config=asdict(model.config),
                     step=args.sft_steps, model=model.state_dict())
@@ -475,7 +480,8 @@ def run_rl(args, task, model):
               + (f", pool accuracy {history[0]['pool_accuracy']:.1%}" if pool else ""))
         print("\n".join(history[0]["examples"]))
     # keep the log consistent with the checkpoint: drop lines written after it
-    lines = open(log_path).read().splitlines() if args.resume and os.path.exists(log_path) else []
+    lines = open(log_path).read().splitlines() if args.resume and os.path.exists(log_path) else \
+        [json.dumps({"step": 0, "accuracy": history[0]["accuracy"], "eval_reward": history[0]["reward"]})]
     with open(log_path, "w") as f:
         f.writelines(line + "\n" for line in lines if json.loads(line)["step"] < start)
 
@@ -531,27 +537,70 @@ def run_rl(args, task, model):
                             optimizer=optimizer.state_dict(), rng=g.get_state(), history=history)
             good_step = step
     if args.plot:
-        plot(history, log_path, os.path.join(run_dir, "curves.png"))
+        draw(curves_figure({args.run_name: read_log(log_path)}), os.path.join(run_dir, "curves.png"))
     return history
 
 
-def plot(history, log_path, png_path):
+# -----------------------------------------------------------------------------
+# Figures: each is first plain data, the lines it plots (which the tests check), then drawn by
+# draw(), the one function that needs matplotlib; without it every command still runs
+
+
+def read_log(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def smooth(ys, window=10):
+    return [sum(ys[max(0, i - window + 1):i + 1]) / min(i + 1, window) for i in range(len(ys))]
+
+
+def curves_figure(runs):
+    """The paper's Fig. 2 in small: {label: a run's log.jsonl records} -> the rollout reward (mean of
+    the last 10 steps) and the held-out accuracy against the RL step, one line per run."""
+    reward, accuracy = [], []
+    for label, records in runs.items():
+        steps, evals = [r for r in records if "reward" in r], [r for r in records if "accuracy" in r]
+        reward.append({"label": label, "x": [r["step"] for r in steps], "y": smooth([r["reward"] for r in steps])})
+        accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals], "style": "o-"})
+    return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
+                       {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
+
+
+def memory_figure(rows):
+    """The paper's Fig. 1 in small: --bench-memory's rows -> activation memory of one update and the
+    step-time ratio against n_t (and the CUDA allocator's peak, when measured)."""
+    n = [r["n_t"] for r in rows]
+    memory = [{"label": name, "x": n, "y": [r[key] for r in rows], "style": "o-"}
+              for name, key in (("naive", "naive_mb"), ("BGPO", "bgpo_mb"), ("naive, CUDA allocator", "naive_cuda_mb"),
+                                ("BGPO, CUDA allocator", "bgpo_cuda_mb")) if key in rows[0]]
+    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo_s"] / r["naive_s"] for r in rows], "style": "o-"}]
+    return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
+                        "yscale": "log", "lines": memory},
+                       {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log", "lines": ratio}]}
+
+
+def draw(figure, png_path):
+    """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("--plot: matplotlib is not installed; skipping the plot")
-        return
-    records = [json.loads(line) for line in open(log_path)]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["reward"] for r in records], alpha=0.5, label="rollout reward")
-    ax.plot([h["step"] for h in history], [h["accuracy"] for h in history], "o-", label="held-out accuracy")
-    ax.set_xlabel("RL step")
-    ax.legend()
+        print(f"matplotlib is not installed; skipped {png_path}")
+        return None
+    panels = figure["panels"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.3), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for line in panel["lines"]:
+            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], markersize=3)
+        ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"))
+        ax.set_title(panel["title"], fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png_path)
+    fig.savefig(png_path, dpi=80)
+    plt.close(fig)
     print(f"wrote {png_path}")
+    return png_path
 
 
 # -----------------------------------------------------------------------------
@@ -595,18 +644,26 @@ def bench_memory(args, task):
     head = f"{'n_t':>4} | {'naive MB':>9} {'BGPO MB':>8} {'naive/BGPO':>10} | {'naive s':>8} {'BGPO s':>7} {'BGPO/naive':>10}"
     head += f" | {'naive CUDA MB':>13} {'BGPO CUDA MB':>12}" if cuda else ""
     print(head)
+    rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         naive, bgpo = measure("naive", n_t, 1), measure("bgpo", n_t, 1)
+        rows.append({"n_t": n_t, "naive_mb": naive[0], "bgpo_mb": bgpo[0], "naive_s": naive[1], "bgpo_s": bgpo[1]})
+        if cuda:
+            rows[-1].update(naive_cuda_mb=naive[2], bgpo_cuda_mb=bgpo[2])
         row = (f"{n_t:>4} | {naive[0]:>9.1f} {bgpo[0]:>8.1f} {naive[0] / bgpo[0]:>10.2f} | "
                f"{naive[1]:>8.3f} {bgpo[1]:>7.3f} {bgpo[1] / naive[1]:>10.2f}")
-        print(row + (f" | {naive[2]:>13.1f} {bgpo[2]:>12.1f}" if cuda else ""), flush=True)
+        print(row + (f" | {naive[2]:>13.1f} {bgpo[2]:>12.1f}" if cuda else ""))
     n_t = args.mc_samples
     print(f"\nBGPO at n_t = {n_t}: --mc-chunk trades memory for speed")
     print(f"{'mc_chunk':>8} | {'BGPO MB':>8} | {'BGPO s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
     for chunk in sorted({1, 2, 4, 8, n_t}):
         if chunk <= n_t:
             mb, s, cuda_mb = measure("bgpo", n_t, chunk)
-            print(f"{chunk:>8} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""), flush=True)
+            print(f"{chunk:>8} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+    if args.plot:
+        os.makedirs(args.out_dir, exist_ok=True)
+        draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -679,7 +736,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
     p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK[_poolN]_seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
-    p.add_argument("--plot", action="store_true", help="write curves.png to the run folder if matplotlib is installed (default: %(default)s)")
+    p.add_argument("--plot", action="store_true", help="draw the run's curves (or the benchmark's figure) as a PNG, if matplotlib is installed (default: %(default)s)")
+    p.add_argument("--compare", nargs="+", metavar="RUN", default=None, help="draw the curves of these RL runs (folders in --out-dir) in one figure, compare.png, then exit (default: %(default)s)")
     # sampler
     p.add_argument("--gen-steps", type=positive_int, default=None, help="denoising steps per completion (default: L, one token per step)")
     p.add_argument("--block-len", type=positive_int, default=None, help="semi-autoregressive block length (default: L, one block)")
@@ -707,6 +765,9 @@ def parse_args(argv=None):
         p.error(f"--gen-steps must be at least the number of blocks, {math.ceil(L / (args.block_len or L))}")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
+    missing = [r for r in args.compare or [] if not os.path.isfile(os.path.join(args.out_dir, r, "log.jsonl"))]
+    if missing:
+        p.error(f"--compare: no log.jsonl in {os.path.join(args.out_dir, missing[0])}")
     if args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")):
         p.error(f"--resume: no run to resume at {os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}")
     if args.resume and args.stage == "sft":
@@ -719,11 +780,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     args = parse_args(argv)
     task = get_task(args.task)
     t0 = time.time()
     if args.bench_memory:
         return bench_memory(args, task)
+    if args.compare:
+        runs = {run: read_log(os.path.join(args.out_dir, run, "log.jsonl")) for run in args.compare}
+        return draw(curves_figure(runs), os.path.join(args.out_dir, "compare.png"))
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
     reuse = args.stage == "all" or args.bench_estimators
     if args.stage in ("sft", "all") and not (reuse and os.path.isfile(sft_path(args))):
@@ -746,6 +812,9 @@ def main(argv=None):
     print(f"{'SFT model':>22} {first['accuracy']:>9.1%} {first['reward']:>7.3f}")
     print(f"{'after ' + str(last['step']) + ' RL steps':>22} {last['accuracy']:>9.1%} {last['reward']:>7.3f}")
     print(f"({args.objective}, n_t = {args.mc_samples}, {time.time() - t0:.0f} s on {args.device})")
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    written = [sft_path(args)] + [os.path.join(run_dir, f) for f in ("ckpt.pt", "log.jsonl", "curves.png")]
+    print("files: " + ", ".join(f for f in written if os.path.isfile(f)))
     return history
 
 

@@ -22,7 +22,7 @@ from bgpo import (ActivationMemory, bgpo_backward, bgpo_bound, draw_mc_samples, 
                   group_advantages, log_probs_under_every_mask, naive_loss, naive_objective,
                   random_order_log_likelihood)
 from tasks import TOKENIZER, get_task
-from tiny_dllm import ModelConfig, TinyDLLM, generate, masked_log_likelihood, sft_loss, forward_process
+from tiny_dllm import ModelConfig, TinyDLLM, generate, generate_radd, masked_log_likelihood, sft_loss, forward_process
 
 TASK_NAMES = ["arithmetic", "countdown", "sudoku"]
 
@@ -121,6 +121,28 @@ def test_generate_leaves_no_mask_fills_blocks_in_order_and_is_deterministic_when
 
 # -----------------------------------------------------------------------------
 # Tasks: tokenizer, splits and rewards
+
+
+def test_radd_cached_sampler_gives_the_same_samples_as_uncached():
+    model = tiny_model()
+    x, _ = random_batch(B=64, L=5)
+    for temperature in (0.0, 1.0):
+        (y1, calls1), (y2, calls2) = (generate_radd(model, x, 5, 20, temperature, torch.Generator().manual_seed(3), cache)
+                                      for cache in (True, False))
+        assert torch.equal(y1, y2) and (y1 != 1).all(), "same draws, same samples, no MASK left"
+        assert (calls1 <= calls2).all() and calls1.sum() < calls2.sum()
+
+
+@pytest.mark.parametrize("n_steps", [5, 10, 40])
+def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
+    """Reveal steps are uniform over the N steps and independent, so the number of distinct steps
+    with a reveal, which is the number of calls, has mean N (1 - (1 - 1/N)^L)."""
+    model, L = tiny_model(), 5
+    x, _ = random_batch(B=4000, L=L)
+    calls = generate_radd(model, x, L, n_steps, 1.0, torch.Generator().manual_seed(n_steps))[1].double()
+    expected = n_steps * (1 - (1 - 1 / n_steps) ** L)
+    se = calls.std() / math.sqrt(len(calls))
+    assert abs(calls.mean() - expected) < 4 * se, f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}"
 
 
 def test_tokenizer_round_trip():
@@ -566,8 +588,9 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))
     assert [h["step"] for h in history] == [0, 1, 2]
     run = tmp_path / f"arithmetic_{objective}_nt4_u1_seed0"
-    lines = (run / "log.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and (run / "ckpt.pt").exists()
+    records = bgpo.read_log(run / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2] and (run / "ckpt.pt").exists()
+    assert records[0]["accuracy"] == history[0]["accuracy"], "step 0 is the SFT model's evaluation"
 
 
 def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_path, monkeypatch):
@@ -612,6 +635,37 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
     assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), report(*new_params.values())
 
 
+def test_figures_hold_the_lines_they_draw_and_draw_a_png_when_matplotlib_is_there(tmp_path):
+    records = [{"step": 0, "accuracy": 0.25, "eval_reward": 0.3}] + \
+        [{"step": s, "reward": float(s), **({"accuracy": 0.5} if s == 3 else {})} for s in (1, 2, 3)]
+    figure = bgpo.curves_figure({"run": records})
+    reward, accuracy = (panel["lines"][0] for panel in figure["panels"])
+    assert reward["x"] == [1, 2, 3] and reward["y"] == [1.0, 1.5, 2.0], "running mean of the rewards"
+    assert accuracy["x"] == [0, 3] and accuracy["y"] == [0.25, 0.5]
+    rows = [{"n_t": n, "naive_mb": 10.0 * n, "bgpo_mb": 10.0, "naive_s": 1.0, "bgpo_s": 0.5} for n in (1, 2)]
+    memory, ratio = bgpo.memory_figure(rows)["panels"]
+    assert [line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]] and ratio["lines"][0]["y"] == [0.5, 0.5]
+    pytest.importorskip("matplotlib")
+    assert os.path.getsize(bgpo.draw(figure, str(tmp_path / "f.png"))) > 1000
+
+
+def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys):
+    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
+    bgpo.main(tiny_argv(tmp_path, "--compare", "arithmetic_bgpo_nt4_u1_seed0"))
+    assert "compare.png" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bgpo.main(tiny_argv(tmp_path, "--compare", "no_such_run"))
+    assert e.value.code == 2 and "--compare: no log.jsonl" in capsys.readouterr().err
+
+
+def test_sft_prints_progress_every_30_seconds_when_the_bar_is_hidden(tmp_path, capsys, monkeypatch):
+    clock = itertools.count(0.0, 20.0)                                     # every reading of the clock: 20 s later
+    monkeypatch.setattr(bgpo.time, "time", lambda: next(clock))
+    bgpo.run_sft(tiny_args(tmp_path, "--sft-steps", "10"), get_task("arithmetic"))   # capsys: not a terminal
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("SFT step")]
+    assert len(lines) >= 5 and lines[-1].startswith("SFT step 10/10"), lines
+
+
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     argv = tiny_argv(tmp_path)
     bgpo.main(argv + ["--rl-steps", "4", "--run-name", "straight"])
@@ -622,8 +676,8 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     assert a["step"] == b["step"] == 4
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
-    assert (tmp_path / "straight" / "log.jsonl").read_text().count("\n") == 4
-    assert (tmp_path / "interrupted" / "log.jsonl").read_text().count("\n") == 4
+    for run in ("straight", "interrupted"):                                # step 0 (the SFT model), then 1-4
+        assert [r["step"] for r in bgpo.read_log(tmp_path / run / "log.jsonl")] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("extra, message", [
