@@ -78,7 +78,7 @@ def diffucoder_coupled(model, prompts, completions, generator=None, per_token=Fa
         l_i = 1/2 [ log p(y^i | all masked) + 1[i in S]/t log p(y^i | S masked)
                                             + 1[i not in S]/(1-t) log p(y^i | S^c masked) ].
     Biased for both the ELBO and log pi: its mean is half the one-step mean field plus the ELBO's
-    t-integrand averaged over [0.2, 0.8] instead of [0, 1], so roughly 1.5 times the ELBO."""
+    t-integrand averaged over [0.2, 0.8] instead of [0, 1] (the two masked halves each count once)."""
     B, L = completions.shape
     t = 0.2 + 0.6 * torch.rand(B, 1, generator=generator)
     S = torch.rand(B, L, generator=generator) < t
@@ -306,7 +306,9 @@ def one_step_prompt_mask_moments(model, prompt, completions, p, chunk=1024, weig
 
 
 def exact_table(model, prompt, completion):
-    """The per-sequence enumeration, detached and in float64."""
+    """One sequence's enumeration, detached, in float64: masks (N, L) and logp (N, L) as in
+    log_probs_under_every_mask, a (2^L,) = a(S) indexed by bitmask (a[0] = 0), and full (2^L, L) =
+    logp indexed by bitmask (row 0 all zero)."""
     with torch.no_grad():
         masks, logp = log_probs_under_every_mask(model, prompt, completion)
     masks, logp = masks.cpu(), logp.double().cpu()
@@ -439,17 +441,13 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
         for b in live:
             (scale[b] * anchored_elbo(model, x[b], y[b], ~anchors[b])).backward()
 
-    def bgpo_run(n, g):
+    def bgpo_run(n, g, naive=False):                                                # on-policy: old = current
         mc = draw_mc_samples(B, L, n, g).to(x.device)
         with torch.no_grad():
             old = elbo_terms(model, x, y, mc)
+        if naive:
+            return lambda: naive_loss(model, x, y, mc, old, A).backward()
         return lambda: bgpo_backward(model, x, y, mc, old, A)
-
-    def naive_run(n, g):
-        mc = draw_mc_samples(B, L, n, g).to(x.device)
-        with torch.no_grad():
-            old = elbo_terms(model, x, y, mc)
-        return lambda: naive_loss(model, x, y, mc, old, A).backward()
 
     objectives = {}  # name -> (run for n draws and a generator, own exact expected gradient's run)
     if anchors is None:                                                             # 2^L mask sets per sequence
@@ -469,7 +467,7 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
     g_elbo = _gradient(model, golden)[0] if golden else None
     results = {}
     for name, (run, own) in objectives.items():
-        g_own = _gradient(model, own)[0]
+        g_own = g_elbo if own is golden else _gradient(model, own)[0]
         rows = []
         for n in N_T:
             draws = [_gradient(model, run(n, torch.Generator().manual_seed(1000 * n + r))) for r in range(REPEATS)]
@@ -483,34 +481,32 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
             if g_elbo is not None:
                 row["rel_mean_elbo"] = float((G.mean(0) - g_elbo).norm() / g_elbo.norm())
             if name.startswith("BGPO"):
-                row["naive_act_mb"] = _gradient(model, naive_run(n, torch.Generator().manual_seed(n)))[1]
+                row["naive_act_mb"] = _gradient(model, bgpo_run(n, torch.Generator().manual_seed(n), naive=True))[1]
             rows.append(row)
         results[name] = {"rows": rows, "own_vs_elbo": None if g_elbo is None else
                          float((g_own - g_elbo).norm() / g_elbo.norm())}
-    return results
+        print_gradient_rows(name, results[name])
+    return results, g_elbo
 
 
-def print_gradient_table(results):
-    print(f"\n2. Gradient of the RL objective, on-policy, fixed advantages ({REPEATS} recomputations per row; relative"
-          " distances are L2 norms divided by the golden gradient's)")
-    for name, r in results.items():
-        head = f"{name}: golden = its own exact expected gradient"
-        if r["own_vs_elbo"] is not None:
-            head += f", which is {r['own_vs_elbo']:.3f} (relative) from the exact ELBO gradient"
-        print(head)
-        naive = "naive MB" if "naive_act_mb" in r["rows"][0] else ""
-        print(f"  {'n_t':>4} {'mean std':>10} {'rel. 1 draw':>11} {'rel. mean of 8':>14} {'floor':>7} {'cos':>6}"
-              f" {'vs ELBO':>8} {'act MB':>8} {naive:>9}")
-        for row in r["rows"]:
-            line = (f"  {row['n_t']:>4} {row['std']:>10.2e} {row['rel_single']:>11.3f} {row['rel_mean']:>14.3f}"
-                    f" {row['floor']:>7.3f} {row['cos']:>6.3f} {row.get('rel_mean_elbo', float('nan')):>8.3f}"
-                    f" {row['act_mb']:>8.1f}")
-            if "naive_act_mb" in row:
-                line += f" {row['naive_act_mb']:>9.1f}" + (" <- naive holds more" if row["naive_act_mb"] > 1.01 * row["act_mb"] else "")
-            print(line)
+def print_gradient_rows(name, r):
+    head = f"{name}: golden = its own exact expected gradient"
+    if r["own_vs_elbo"] is not None:
+        head += f", which is {r['own_vs_elbo']:.3f} (relative) from the exact ELBO gradient"
+    print(head)
+    naive = "naive MB" if "naive_act_mb" in r["rows"][0] else ""
+    print(f"  {'n_t':>4} {'mean std':>10} {'rel. 1 draw':>11} {'rel. mean of 8':>14} {'floor':>7} {'cos':>6}"
+          f" {'vs ELBO':>8} {'act MB':>8} {naive:>9}")
+    for row in r["rows"]:
+        line = (f"  {row['n_t']:>4} {row['std']:>10.2e} {row['rel_single']:>11.3f} {row['rel_mean']:>14.3f}"
+                f" {row['floor']:>7.3f} {row['cos']:>6.3f} {row.get('rel_mean_elbo', float('nan')):>8.3f}"
+                f" {row['act_mb']:>8.1f}")
+        if "naive_act_mb" in row:
+            line += f" {row['naive_act_mb']:>9.1f}" + (" <- naive holds more" if row["naive_act_mb"] > 1.01 * row["act_mb"] else "")
+        print(line)
 
 
-def signal_to_noise(model, task, prompts, args, batch1, n_values=(1, 4, 16, 64), pairs=4):
+def signal_to_noise(model, task, prompts, args, batch1, exact1, n_values=(1, 4, 16, 64)):
     """Is RL limited by MC noise or by rollout noise? Cosines between BGPO gradients: two MC draws on
     the same rollouts, and two independent rollout batches of the same prompts; n_t = inf is exact."""
     batch2 = _rollouts(model, task, prompts, args, seed=args.seed + 7)
@@ -525,19 +521,19 @@ def signal_to_noise(model, task, prompts, args, batch1, n_values=(1, 4, 16, 64),
 
     rows = []
     for n in n_values:
+        pairs = max(2, 64 // n)                                                     # about the same cost for every n_t
         same = [_cos(grad(batch1, n, 10 * r), grad(batch1, n, 10 * r + 1)) for r in range(pairs)]
         other = [_cos(grad(batch1, n, 10 * r + 2), grad(batch2, n, 10 * r + 3)) for r in range(pairs)]
-        rows.append({"n_t": n, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
-    exact = []
-    for x, y, _, A, _ in (batch1, batch2):
-        B = x.shape[0]
-        exact.append(_gradient(model, lambda: [(-A[b] / (B * L) * elbo_from_table(*log_probs_under_every_mask(
-            model, x[b], y[b]))).backward() for b in range(B) if A[b] != 0])[0])
-    rows.append({"n_t": "inf", "cos_mc": 1.0, "cos_rollouts": _cos(*exact)})
-    print(f"\n3. Signal to noise of the RL gradient (BGPO, mean cosine over {pairs} pairs)")
-    print(f"  {'n_t':>4} {'two MC draws, same rollouts':>28} {'two rollout batches, same prompts':>34}")
+        rows.append({"n_t": n, "pairs": pairs, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
+    x, y, _, A, _ = batch2
+    B = x.shape[0]
+    exact2 = _gradient(model, lambda: [(-A[b] / (B * L) * elbo_from_table(*log_probs_under_every_mask(
+        model, x[b], y[b]))).backward() for b in range(B) if A[b] != 0])[0]
+    rows.append({"n_t": "inf", "cos_mc": 1.0, "cos_rollouts": _cos(exact1, exact2)})
+    print("\n3. Signal to noise of the RL gradient (BGPO; mean cosine over pairs of gradients)")
+    print(f"  {'n_t':>4} {'pairs':>5} {'two MC draws, same rollouts':>28} {'two rollout batches, same prompts':>34}")
     for row in rows:
-        print(f"  {row['n_t']:>4} {row['cos_mc']:>28.3f} {row['cos_rollouts']:>34.3f}")
+        print(f"  {row['n_t']:>4} {row.get('pairs', ''):>5} {row['cos_mc']:>28.3f} {row['cos_rollouts']:>34.3f}")
     return rows
 
 
@@ -568,14 +564,17 @@ def bench_estimators(args, task, model):
           f"{args.temperature}): mean reward {rewards.mean():.3f}, {int((A != 0).sum())} sequences with A != 0")
     elbo, ro, rows = likelihood_table(model, x, y, commit, block_len, G, anchors)
     print_likelihood_table(elbo, ro, rows)
+    print(f"({time.time() - t0:.0f} s)")
     if anchors is not None:
         stp = np.array(rows["STP, anchors never masked"]["var"])[:, 0]
         plain = np.array(rows["count form, no anchors"]["var"])[:, 0]
         print(f"STP's variance claim: Var(anchored) < Var(no anchors) for {int((stp < plain).sum())} of {len(stp)} "
               f"sequences; mean ratio {np.mean(stp / plain):.3f}")
-    results = gradient_table(model, x, y, commit, A, block_len, G, anchors)
-    print_gradient_table(results)
-    snr = signal_to_noise(model, task, prompts, args, batch) if anchors is None else None
+    print(f"\n2. Gradient of the RL objective, on-policy, fixed advantages ({REPEATS} recomputations per row; relative"
+          " distances are L2 norms divided by the golden gradient's)")
+    results, g_elbo = gradient_table(model, x, y, commit, A, block_len, G, anchors)
+    print(f"({time.time() - t0:.0f} s)")
+    snr = signal_to_noise(model, task, prompts, args, batch, g_elbo) if anchors is None else None
     path = os.path.join(args.out_dir, f"estimators_{task.name}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w") as f:
