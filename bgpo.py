@@ -556,10 +556,14 @@ def smooth(ys, window=10):
 
 def curves_figure(runs):
     """The paper's Fig. 2 in small: {label: a run's log.jsonl records} -> the rollout reward (mean of
-    the last 10 steps) and the held-out accuracy against the RL step, one line per run."""
+    the last 10 steps; for a single run also each step's, faint) and the held-out accuracy against the
+    RL step, one line per run."""
     reward, accuracy = [], []
     for label, records in runs.items():
         steps, evals = [r for r in records if "reward" in r], [r for r in records if "accuracy" in r]
+        if len(runs) == 1:
+            reward.append({"label": "each step", "x": [r["step"] for r in steps], "y": [r["reward"] for r in steps],
+                           "alpha": 0.3})
         reward.append({"label": label, "x": [r["step"] for r in steps], "y": smooth([r["reward"] for r in steps])})
         accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals], "style": "o-"})
     return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
@@ -592,7 +596,8 @@ def draw(figure, png_path):
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.3), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for line in panel["lines"]:
-            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], markersize=3)
+            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], alpha=line.get("alpha", 1.0),
+                    markersize=3)
         ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"))
         ax.set_title(panel["title"], fontsize=9)
         ax.legend(fontsize=7)

@@ -638,9 +638,12 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
 def test_figures_hold_the_lines_they_draw_and_draw_a_png_when_matplotlib_is_there(tmp_path):
     records = [{"step": 0, "accuracy": 0.25, "eval_reward": 0.3}] + \
         [{"step": s, "reward": float(s), **({"accuracy": 0.5} if s == 3 else {})} for s in (1, 2, 3)]
-    figure = bgpo.curves_figure({"run": records})
+    figure = bgpo.curves_figure({"run": records, "other run": records})
     reward, accuracy = (panel["lines"][0] for panel in figure["panels"])
     assert reward["x"] == [1, 2, 3] and reward["y"] == [1.0, 1.5, 2.0], "running mean of the rewards"
+    assert [len(panel["lines"]) for panel in figure["panels"]] == [2, 2], "a line per run"
+    each_step = bgpo.curves_figure({"run": records})["panels"][0]["lines"][0]
+    assert each_step["y"] == [1.0, 2.0, 3.0], "a single run also shows each step's reward"
     assert accuracy["x"] == [0, 3] and accuracy["y"] == [0.25, 0.5]
     rows = [{"n_t": n, "naive_mb": 10.0 * n, "bgpo_mb": 10.0, "naive_s": 1.0, "bgpo_s": 0.5} for n in (1, 2)]
     memory, ratio = bgpo.memory_figure(rows)["panels"]
