@@ -44,7 +44,7 @@ import time
 import numpy as np
 import torch
 
-from bgpo import (ActivationMemory, bgpo_backward, draw, draw_mc_samples, elbo_from_table, elbo_terms, encode,
+from bgpo import (ActivationMemory, RunError, bgpo_backward, draw, draw_mc_samples, elbo_from_table, elbo_terms, encode,
                   group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table)
 from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 
@@ -333,6 +333,7 @@ def anchored_elbo(model, prompt, completion, free):
 # 3. The lab: python bgpo.py --bench-estimators
 
 N_T = (1, 2, 4, 8, 16, 32, 64)
+MAX_PROMPT_MASKED = 14                   # d1's prompt masking is enumerated up to 2^14 prompt masks
 REPEATS = 8                              # recomputations per gradient, as in the paper's Fig. 3
 
 
@@ -357,7 +358,8 @@ def _gradient(model, run):
     model.zero_grad(set_to_none=True)
     with ActivationMemory(model) as memory:
         run()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]).double().cpu(), memory.peak / 2**20
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]  # None: untouched
+    return torch.cat([g.flatten() for g in grads]).double().cpu(), memory.peak / 2**20
 
 
 def _surrogate(A, L, estimate):
@@ -397,7 +399,7 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
         if anchors is not None:
             add("count form, no anchors", "n", *count_form_moments(stats))
             add("STP, anchors never masked", "n", *count_form_moments(_size_stats(a, L, ~anchors[b])))
-    if x.shape[1] <= 14:                                                            # 2^P prompt masks
+    if x.shape[1] <= MAX_PROMPT_MASKED:                                             # 2^P prompt masks
         for b in range(0, B, group):                                                # a group shares its prompt
             with torch.no_grad():
                 mean, var = one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob)
@@ -453,7 +455,7 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
     if anchors is None:                                                             # 2^L mask sets per sequence
         golden = exact_elbo_run
         objectives["BGPO = naive (ELBO)"] = (bgpo_run, exact_elbo_run)
-        if x.shape[1] <= 14:
+        if x.shape[1] <= MAX_PROMPT_MASKED:
             objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
                 one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)), own_one_step)
     else:
@@ -506,7 +508,7 @@ def print_gradient_rows(name, r):
         print(line)
 
 
-def signal_to_noise(model, task, prompts, args, batch1, exact1, n_values=(1, 4, 16, 64)):
+def signal_to_noise(model, task, prompts, args, batch1, exact1):
     """Is RL limited by MC noise or by rollout noise? Cosines between BGPO gradients: two MC draws on
     the same rollouts, and two independent rollout batches of the same prompts; n_t = inf is exact."""
     batch2 = _rollouts(model, task, prompts, args, seed=args.seed + 7)
@@ -520,8 +522,8 @@ def signal_to_noise(model, task, prompts, args, batch1, exact1, n_values=(1, 4, 
         return _gradient(model, lambda: bgpo_backward(model, x, y, mc, old, A))[0]
 
     rows = []
-    for n in n_values:
-        pairs = max(2, 64 // n)                                                     # about the same cost for every n_t
+    for n in N_T[::2]:                                                              # 1, 4, 16, 64
+        pairs = max(2, N_T[-1] // n)                                                # about the same cost for every n_t
         same = [_cos(grad(batch1, n, 10 * r), grad(batch1, n, 10 * r + 1)) for r in range(pairs)]
         other = [_cos(grad(batch1, n, 10 * r + 2), grad(batch2, n, 10 * r + 3)) for r in range(pairs)]
         rows.append({"n_t": n, "pairs": pairs, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
@@ -560,6 +562,9 @@ def bench_estimators(args, task, model):
     x, y, commit, A, rewards = batch
     block_len = args.block_len or task.gen_len
     anchors = sudoku_anchors([p for p in prompts for _ in range(G)]).to(x.device) if task.name == "sudoku" else None
+    if not (A != 0).any():
+        raise RunError(f"every group's rollouts got equal rewards (mean {rewards.mean():.3f}): no gradient to measure; "
+                       "try another --seed")
     print(f"{n_prompts} prompts x G = {G} rollouts of the SFT model on {task.name} (L = {task.gen_len}, temperature "
           f"{args.temperature}): mean reward {rewards.mean():.3f}, {int((A != 0).sum())} sequences with A != 0")
     elbo, ro, rows = likelihood_table(model, x, y, commit, block_len, G, anchors)

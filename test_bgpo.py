@@ -7,6 +7,7 @@ Everything runs in float64 on CPU, on tiny models, in seconds.
     python -m pytest -q -k equivalence  # one claim
 """
 import itertools
+import json
 import math
 import os
 import time
@@ -659,6 +660,21 @@ def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys
     with pytest.raises(SystemExit) as e:
         bgpo.main(tiny_argv(tmp_path, "--compare", "no_such_run"))
     assert e.value.code == 2 and "--compare: no log.jsonl" in capsys.readouterr().err
+
+
+def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(estimators, "N_T", (1, 4))                          # fewer rows: the pipeline, not the numbers
+    monkeypatch.setattr(estimators, "REPEATS", 2)
+    monkeypatch.setattr(estimators, "lab_batch", lambda task: (2, 4))
+    monkeypatch.setattr(estimators, "MAX_PROMPT_MASKED", 0)                  # d1's 2^12 prompt masks: tested above
+    bgpo.main(tiny_argv(tmp_path, "--bench-estimators", "--task", "countdown", "--sft-steps", "20"))  # SFT first
+    result = json.loads((tmp_path / "estimators_countdown.json").read_text())
+    rows = result["likelihood"]
+    for name in ("ELBO, stratified (BGPO)", "antithetic pair (ours)"):          # unbiased: exactly the ELBO
+        assert np.allclose(rows[name]["mean"], result["elbo"], atol=1e-5), name
+    assert np.allclose(rows["dTRPO, 1 step per block"]["mean"], rows["trajectory, all steps"]["mean"], atol=1e-5)
+    assert result["gradient"]["BGPO = naive (ELBO)"]["own_vs_elbo"] == 0.0
+    assert [row["n_t"] for row in result["signal_to_noise"]] == [1, "inf"]
 
 
 def test_sft_prints_progress_every_30_seconds_when_the_bar_is_hidden(tmp_path, capsys, monkeypatch):
