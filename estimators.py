@@ -36,6 +36,7 @@ Where the toy versions depart from their papers:
 
 Shapes: B batch, L completion length, P prompt length, K sampler steps, N enumerated sets.
 """
+import contextlib
 import json
 import math
 import os
@@ -343,23 +344,24 @@ def lab_batch(task):
     return (4, 8) if task.gen_len <= 12 else (2, 2)
 
 
-def _rollouts(model, task, prompts, args, seed):
+def _rollouts(model, task, prompts, args, seed, remasking="low_confidence"):
     G = lab_batch(task)[1]
     prompts = [p for p in prompts for _ in range(G)]
     x = encode(task, prompts, device=args.device)
-    y, commit = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
-                         temperature=args.temperature, generator=torch.Generator().manual_seed(seed), return_steps=True)
+    y, commit = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len, temperature=args.temperature,
+                         generator=torch.Generator().manual_seed(seed), return_steps=True, remasking=remasking)
     rewards = torch.tensor([task.reward(p, task.decode(c)) for p, c in zip(prompts, y.cpu())])
     return x, y, commit, group_advantages(rewards, G).to(args.device), rewards
 
 
-def _gradient(model, run):
-    """Runs one objective's forward and backward; returns the flat gradient and the peak MB autograd held."""
+def _gradient(model, run, measure=False):
+    """Runs one objective's forward and backward; returns the flat gradient and, if measure, the peak
+    MB autograd held (ActivationMemory's hooks cost time, so only when asked)."""
     model.zero_grad(set_to_none=True)
-    with ActivationMemory(model) as memory:
+    with ActivationMemory(model) if measure else contextlib.nullcontext() as memory:
         run()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]  # None: untouched
-    return torch.cat([g.flatten() for g in grads]).double().cpu(), memory.peak / 2**20
+    return torch.cat([g.flatten() for g in grads]).double().cpu(), memory.peak / 2**20 if measure else None
 
 
 def _surrogate(A, L, estimate):
@@ -472,7 +474,8 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
         g_own = g_elbo if own is golden else _gradient(model, own)[0]
         rows = []
         for n in N_T:
-            draws = [_gradient(model, run(n, torch.Generator().manual_seed(1000 * n + r))) for r in range(REPEATS)]
+            draws = [_gradient(model, run(n, torch.Generator().manual_seed(1000 * n + r)), measure=r == 0)
+                     for r in range(REPEATS)]
             G = torch.stack([d[0] for d in draws])                                  # (REPEATS, parameters)
             std, norm = G.std(0), g_own.norm()
             row = {"n_t": n, "std": float(std.mean()), "act_mb": draws[0][1],
@@ -483,7 +486,7 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
             if g_elbo is not None:
                 row["rel_mean_elbo"] = float((G.mean(0) - g_elbo).norm() / g_elbo.norm())
             if name.startswith("BGPO"):
-                row["naive_act_mb"] = _gradient(model, bgpo_run(n, torch.Generator().manual_seed(n), naive=True))[1]
+                row["naive_act_mb"] = _gradient(model, bgpo_run(n, torch.Generator().manual_seed(n), naive=True), True)[1]
             rows.append(row)
         results[name] = {"rows": rows, "own_vs_elbo": None if g_elbo is None else
                          float((g_own - g_elbo).norm() / g_elbo.norm())}
@@ -539,6 +542,41 @@ def signal_to_noise(model, task, prompts, args, batch1, exact1):
     return rows
 
 
+def policy_gradient_check(model, task, prompts, args):
+    """Is the ELBO the right thing to push? With random remasking and one token per step, the sampler
+    IS the random-order model, so its exact log-likelihood log pi(y) = log E_sigma p_sigma(y) is
+    known (random_order_from_table) and sum_b A_b grad log pi(y_b) is the exact policy gradient on a
+    batch of its rollouts. Compared with the exact ELBO gradient and the trajectory-sum gradient
+    (REINFORCE on the sampled order: unbiased for the same expected-reward gradient, but noisier).
+    On the first two prompts of the lab's batch: two backward passes through 2^L rows per sequence."""
+    x, y, commit, A, rewards = _rollouts(model, task, prompts[:2], args, seed=args.seed + 11, remasking="random")
+    B, L = y.shape
+    scale = -A.to(torch.get_default_dtype()) / (B * L)
+
+    params = list(model.parameters())
+    g_pi, g_elbo = (torch.zeros(sum(p.numel() for p in params), dtype=torch.float64) for _ in range(2))
+    for b in (A != 0).nonzero()[:, 0].tolist():                                     # one table, two gradients
+        table = log_probs_under_every_mask(model, x[b], y[b])
+        for g, value in ((g_pi, random_order_from_table(*table)[1]), (g_elbo, elbo_from_table(*table))):
+            grads = torch.autograd.grad(scale[b] * value, params, retain_graph=True, allow_unused=True)
+            g += torch.cat([(torch.zeros_like(p) if d is None else d).flatten() for p, d in zip(params, grads)]).double().cpu()
+    g_traj = _gradient(model, _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))[0]
+    bgpo = [_gradient(model, lambda: bgpo_backward(model, x, y, mc, elbo_terms(model, x, y, mc).detach(), A))[0]
+            for mc in (draw_mc_samples(B, L, 16, torch.Generator().manual_seed(r)).to(x.device) for r in range(4))]
+    rows = {"exact ELBO gradient": g_elbo, "BGPO, n_t = 16 (one draw, mean of 4)": None,
+            "trajectory sum (REINFORCE on the order)": g_traj}
+    print(f"\n4. The ELBO as a policy gradient: random-remasking rollouts (mean reward {rewards.mean():.3f}), whose exact"
+          " log-likelihood is the random-order one")
+    print(f"  {'gradient':<42} {'cosine with the exact policy gradient':>38} {'norm ratio':>11}")
+    result = {}
+    for name, g in rows.items():
+        cos = np.mean([_cos(d, g_pi) for d in bgpo]) if g is None else _cos(g, g_pi)
+        ratio = np.mean([float(d.norm() / g_pi.norm()) for d in bgpo]) if g is None else float(g.norm() / g_pi.norm())
+        result[name] = {"cos": float(cos), "norm_ratio": ratio}
+        print(f"  {name:<42} {cos:>38.3f} {ratio:>11.3f}")
+    return result
+
+
 def estimators_figure(results):
     """The paper's Fig. 3 in small: the gradient's std and the distance of the 8-draw mean from the
     exact ELBO gradient (its "bias"), against n_t, one line per objective; data for bgpo.draw."""
@@ -580,11 +618,12 @@ def bench_estimators(args, task, model):
     results, g_elbo = gradient_table(model, x, y, commit, A, block_len, G, anchors)
     print(f"({time.time() - t0:.0f} s)")
     snr = signal_to_noise(model, task, prompts, args, batch, g_elbo) if anchors is None else None
+    policy = policy_gradient_check(model, task, prompts, args) if anchors is None else None
     path = os.path.join(args.out_dir, f"estimators_{task.name}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows,
-                   "gradient": results, "signal_to_noise": snr}, f, indent=1)
+                   "gradient": results, "signal_to_noise": snr, "policy_gradient": policy}, f, indent=1)
     print(f"\nwrote {path} ({time.time() - t0:.0f} s, SFT excluded)")
     if args.plot:
         draw(estimators_figure(results), os.path.join(args.out_dir, f"estimators_{task.name}.png"))

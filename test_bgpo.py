@@ -124,6 +124,26 @@ def test_generate_leaves_no_mask_fills_blocks_in_order_and_is_deterministic_when
 # Tasks: tokenizer, splits and rewards
 
 
+def test_random_remasking_samples_from_the_random_order_likelihood():
+    """With remasking="random" and one token per step, generate draws y with probability
+    E_sigma p_sigma(y), which random_order_log_likelihood computes (its second output): the 81
+    probabilities over two positions sum to 1 and match the frequencies of 20,000 samples."""
+    model, N = tiny_model(), 20000
+    x, _ = random_batch(B=1, L=2)
+    y = generate(model, x.expand(N, -1), 2, temperature=1.0, generator=torch.Generator().manual_seed(0), remasking="random")
+    tokens = [t for t in range(10) if t != 1]                                      # every id but MASK
+    with torch.no_grad():
+        exact = {(a, b): random_order_log_likelihood(model, x[0], torch.tensor([a, b]))[1].exp().item()
+                 for a in tokens for b in tokens}
+    assert abs(sum(exact.values()) - 1) < 1e-12, sum(exact.values())
+    counts = {}
+    for a, b in y.tolist():
+        counts[a, b] = counts.get((a, b), 0) + 1
+    for pair, p in exact.items():
+        empirical = counts.get(pair, 0) / N
+        assert abs(empirical - p) < 4.5 * math.sqrt(p * (1 - p) / N) + 1e-4, (pair, empirical, p)
+
+
 def test_radd_cached_sampler_gives_the_same_samples_as_uncached():
     model = tiny_model()
     x, _ = random_batch(B=64, L=5)

@@ -173,7 +173,7 @@ def _tokens_per_step(block_size, steps):
 
 @torch.no_grad()
 def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
-             return_steps=False):
+             return_steps=False, remasking="low_confidence"):
     """Fill a completion of gen_len tokens, starting all MASK.
 
     Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
@@ -182,7 +182,10 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     the least confident. Confidence is the model's probability of the chosen token.
     temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) with
     the Gumbel-max trick. With return_steps=True also returns the (B, L) step index at which each
-    position was committed."""
+    position was committed. remasking="random" commits k positions of the block chosen uniformly
+    instead of the most confident ones (LLaDA's other option): then the order does not depend on the
+    model, and one token per step samples from the random-order model whose likelihood
+    random_order_log_likelihood (bgpo.py) computes."""
     steps = gen_len if steps is None else steps
     block_len = gen_len if block_len is None else block_len
     if not 1 <= block_len <= gen_len:
@@ -192,6 +195,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
         raise ValueError(f"steps: expected {num_blocks}..{gen_len} (one block per step at least), got {steps}")
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking: expected 'low_confidence' or 'random', got {remasking!r}")
     B, P = prompts.shape
     mask_id = model.config.mask_id
     x = torch.cat([prompts, torch.full((B, gen_len), mask_id, dtype=torch.long, device=prompts.device)], 1)
@@ -208,6 +213,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             else:
                 x0 = logits.argmax(-1)
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]  # (B, T)
+            if remasking == "random":
+                confidence = torch.rand(confidence.shape, generator=generator).to(confidence.device)
             candidate = x == mask_id
             candidate[:, :lo] = False
             candidate[:, hi:] = False                                    # only the current block
