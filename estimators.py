@@ -375,19 +375,21 @@ def _cos(u, v):
 
 
 def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt_mask_prob=0.15):
-    """Exact mean and variance of every estimator, per sequence, and the two reference values."""
+    """Exact mean and variance of every estimator, per sequence; the two reference values (the ELBO and
+    the log random-order likelihood); and the variance between mask counts of one count-form draw."""
     B, L = y.shape
     rows = {}
     def add(name, fwd, mean, var):                                                  # var: of one draw, or a function of n
         rows.setdefault(name, {"fwd": fwd, "mean": [], "var": []})
         rows[name]["mean"].append(float(mean))
         rows[name]["var"].append([float(var(n)) if callable(var) else float(var) / n for n in N_T])
-    elbo, ro = [], []
+    elbo, ro, between = [], [], []
     for b in range(B):
         masks, logp, a, full = exact_table(model, x[b], y[b])
         elbo.append(float(elbo_from_table(masks, logp)))
         ro.append(float(random_order_from_table(masks, logp)[1]))
         stats = _size_stats(a, L)
+        between.append(float(torch.stack([L / k * m for k, (m, v) in enumerate(stats, 1)]).var(unbiased=False)))
         add("ELBO, iid 1/t", "n", elbo[-1], float("inf"))
         add("ELBO, stratified (BGPO)", "n", elbo[-1], lambda n: stratified_moments(stats, n)[1])
         add("antithetic pair (ours)", "2n", *antithetic_moments(a, L))
@@ -407,10 +409,10 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
                 mean, var = one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob)
             for m, v in zip(mean.tolist(), var.tolist()):
                 add(f"one-step, prompt mask {prompt_mask_prob} (d1)", "n", m, v)
-    return elbo, ro, rows
+    return elbo, ro, rows, between
 
 
-def print_likelihood_table(elbo, ro, rows):
+def print_likelihood_table(elbo, ro, rows, between):
     print(f"\n1. Likelihood estimators, exact by enumeration ({len(elbo)} sequences; mean ELBO {np.mean(elbo):.3f} nats,"
           f" mean log random-order likelihood {np.mean(ro):.3f})")
     print("n = independent draws (pairs for the antithetic estimator); fwd = forward passes per sequence;"
@@ -423,6 +425,9 @@ def print_likelihood_table(elbo, ro, rows):
         sd = np.sqrt(np.mean(r["var"], 0)) if "n" in r["fwd"] else np.sqrt(np.mean(r["var"], 0))[:1]
         print(f"{name:<30} {bias:>+12.3f} {bias_ro:>+11.3f} {r['fwd']:>5} |" + " " * 11
               + " ".join(f"{s:>6.3f}" if np.isfinite(s) else f"{'inf':>6}" for s in sd))
+    one_draw = np.mean([v[0] for v in rows["ELBO, stratified (BGPO)"]["var"]])
+    print(f"Of one count-form draw's variance ({one_draw:.2f} nats^2, mean over sequences), {np.mean(between):.2f} is"
+          " between mask counts (the spread of the L/k-weighted means), which stratification removes.")
 
 
 def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, prompt_mask_prob=0.15):
@@ -605,8 +610,8 @@ def bench_estimators(args, task, model):
                        "try another --seed")
     print(f"{n_prompts} prompts x G = {G} rollouts of the SFT model on {task.name} (L = {task.gen_len}, temperature "
           f"{args.temperature}): mean reward {rewards.mean():.3f}, {int((A != 0).sum())} sequences with A != 0")
-    elbo, ro, rows = likelihood_table(model, x, y, commit, block_len, G, anchors)
-    print_likelihood_table(elbo, ro, rows)
+    elbo, ro, rows, between = likelihood_table(model, x, y, commit, block_len, G, anchors)
+    print_likelihood_table(elbo, ro, rows, between)
     print(f"({time.time() - t0:.0f} s)")
     if anchors is not None:
         stp = np.array(rows["STP, anchors never masked"]["var"])[:, 0]
@@ -622,7 +627,7 @@ def bench_estimators(args, task, model):
     path = os.path.join(args.out_dir, f"estimators_{task.name}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows,
+        json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows, "between_mask_counts": between,
                    "gradient": results, "signal_to_noise": snr, "policy_gradient": policy}, f, indent=1)
     print(f"\nwrote {path} ({time.time() - t0:.0f} s, SFT excluded)")
     if args.plot:
