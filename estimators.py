@@ -374,6 +374,27 @@ def _cos(u, v):
     return float(u @ v / (u.norm() * v.norm()))
 
 
+def _bgpo_run(model, x, y, A, n_t, generator, naive=False):
+    """BGPO's on-policy update (or the naive objective's) with n_t stratified samples, for _gradient."""
+    mc = draw_mc_samples(x.shape[0], y.shape[1], n_t, generator).to(x.device)
+    with torch.no_grad():
+        old = elbo_terms(model, x, y, mc)                                           # on-policy: old = current
+    if naive:
+        return lambda: naive_loss(model, x, y, mc, old, A).backward()
+    return lambda: bgpo_backward(model, x, y, mc, old, A)
+
+
+def _exact_elbo_run(model, x, y, A):
+    """Backpropagates -sum_b A_b ELBO(y_b) / (B L) with the exact ELBO: BGPO's expected gradient."""
+    B, L = y.shape
+
+    def run():
+        for b in (A != 0).nonzero()[:, 0].tolist():                                 # A = 0 adds nothing
+            elbo = elbo_from_table(*log_probs_under_every_mask(model, x[b], y[b]))
+            (-A[b].to(elbo) / (B * L) * elbo).backward()
+    return run
+
+
 def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt_mask_prob=0.15):
     """Exact mean and variance of every estimator, per sequence; the two reference values (the ELBO and
     the log random-order likelihood); and the variance between mask counts of one count-form draw."""
@@ -438,10 +459,6 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
     live = (A != 0).nonzero()[:, 0].tolist()                                        # A = 0 adds nothing
     scale = -A.to(torch.get_default_dtype()) / (B * L)
 
-    def exact_elbo_run():
-        for b in live:
-            (scale[b] * elbo_from_table(*log_probs_under_every_mask(model, x[b], y[b]))).backward()
-
     def own_one_step():
         for b in range(0, B, group):
             one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob, weights=scale[b:b + group])
@@ -450,18 +467,10 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
         for b in live:
             (scale[b] * anchored_elbo(model, x[b], y[b], ~anchors[b])).backward()
 
-    def bgpo_run(n, g, naive=False):                                                # on-policy: old = current
-        mc = draw_mc_samples(B, L, n, g).to(x.device)
-        with torch.no_grad():
-            old = elbo_terms(model, x, y, mc)
-        if naive:
-            return lambda: naive_loss(model, x, y, mc, old, A).backward()
-        return lambda: bgpo_backward(model, x, y, mc, old, A)
-
     objectives = {}  # name -> (run for n draws and a generator, own exact expected gradient's run)
     if anchors is None:                                                             # 2^L mask sets per sequence
-        golden = exact_elbo_run
-        objectives["BGPO = naive (ELBO)"] = (bgpo_run, exact_elbo_run)
+        golden = _exact_elbo_run(model, x, y, A)
+        objectives["BGPO = naive (ELBO)"] = (lambda n, g: _bgpo_run(model, x, y, A, n, g), golden)
         if x.shape[1] <= MAX_PROMPT_MASKED:
             objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
                 one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)), own_one_step)
@@ -491,7 +500,8 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
             if g_elbo is not None:
                 row["rel_mean_elbo"] = float((G.mean(0) - g_elbo).norm() / g_elbo.norm())
             if name.startswith("BGPO"):
-                row["naive_act_mb"] = _gradient(model, bgpo_run(n, torch.Generator().manual_seed(n), naive=True), True)[1]
+                naive = _bgpo_run(model, x, y, A, n, torch.Generator().manual_seed(n), naive=True)
+                row["naive_act_mb"] = _gradient(model, naive, measure=True)[1]
             rows.append(row)
         results[name] = {"rows": rows, "own_vs_elbo": None if g_elbo is None else
                          float((g_own - g_elbo).norm() / g_elbo.norm())}
@@ -520,14 +530,10 @@ def signal_to_noise(model, task, prompts, args, batch1, exact1):
     """Is RL limited by MC noise or by rollout noise? Cosines between BGPO gradients: two MC draws on
     the same rollouts, and two independent rollout batches of the same prompts; n_t = inf is exact."""
     batch2 = _rollouts(model, task, prompts, args, seed=args.seed + 7)
-    L = task.gen_len
 
     def grad(batch, n, seed):
         x, y, _, A, _ = batch
-        mc = draw_mc_samples(x.shape[0], L, n, torch.Generator().manual_seed(seed)).to(x.device)
-        with torch.no_grad():
-            old = elbo_terms(model, x, y, mc)
-        return _gradient(model, lambda: bgpo_backward(model, x, y, mc, old, A))[0]
+        return _gradient(model, _bgpo_run(model, x, y, A, n, torch.Generator().manual_seed(seed)))[0]
 
     rows = []
     for n in N_T[::2]:                                                              # 1, 4, 16, 64
@@ -536,9 +542,7 @@ def signal_to_noise(model, task, prompts, args, batch1, exact1):
         other = [_cos(grad(batch1, n, 10 * r + 2), grad(batch2, n, 10 * r + 3)) for r in range(pairs)]
         rows.append({"n_t": n, "pairs": pairs, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
     x, y, _, A, _ = batch2
-    B = x.shape[0]
-    exact2 = _gradient(model, lambda: [(-A[b] / (B * L) * elbo_from_table(*log_probs_under_every_mask(
-        model, x[b], y[b]))).backward() for b in range(B) if A[b] != 0])[0]
+    exact2 = _gradient(model, _exact_elbo_run(model, x, y, A))[0]
     rows.append({"n_t": "inf", "cos_mc": 1.0, "cos_rollouts": _cos(exact1, exact2)})
     print("\n3. Signal to noise of the RL gradient (BGPO; mean cosine over pairs of gradients)")
     print(f"  {'n_t':>4} {'pairs':>5} {'two MC draws, same rollouts':>28} {'two rollout batches, same prompts':>34}")
@@ -566,8 +570,7 @@ def policy_gradient_check(model, task, prompts, args):
             grads = torch.autograd.grad(scale[b] * value, params, retain_graph=True, allow_unused=True)
             g += torch.cat([(torch.zeros_like(p) if d is None else d).flatten() for p, d in zip(params, grads)]).double().cpu()
     g_traj = _gradient(model, _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))[0]
-    bgpo = [_gradient(model, lambda: bgpo_backward(model, x, y, mc, elbo_terms(model, x, y, mc).detach(), A))[0]
-            for mc in (draw_mc_samples(B, L, 16, torch.Generator().manual_seed(r)).to(x.device) for r in range(4))]
+    bgpo = [_gradient(model, _bgpo_run(model, x, y, A, 16, torch.Generator().manual_seed(r)))[0] for r in range(4)]
     rows = {"exact ELBO gradient": g_elbo, "BGPO, n_t = 16 (one draw, mean of 4)": None,
             "trajectory sum (REINFORCE on the order)": g_traj}
     print(f"\n4. The ELBO as a policy gradient: random-remasking rollouts (mean reward {rewards.mean():.3f}), whose exact"
