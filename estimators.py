@@ -53,6 +53,12 @@ from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 # 1. The estimators: each returns one value per sequence, (B,), in nats, with gradients
 
 
+def _check_batch(prompts, completions):
+    if prompts.dim() != 2 or completions.dim() != 2 or prompts.shape[0] != completions.shape[0]:
+        raise ValueError(f"prompts, completions: expected (B, P) and (B, L), got {tuple(prompts.shape)} and "
+                         f"{tuple(completions.shape)}")
+
+
 def antithetic_elbo(model, prompts, completions, generator=None):
     """A coupled pair of our design, unbiased for the ELBO. Draw k ~ U{1..L} and a uniform k-subset S
     as in the count form; its complement S^c is then a uniform (L-k)-subset, and
@@ -61,6 +67,7 @@ def antithetic_elbo(model, prompts, completions, generator=None):
     with a(S) = sum_{i in S} log p(y^i | y with S masked, x). With e_k the mean of (L/k) a(S) over
     k-subsets, E[X] = (1/L) [sum_{k<L} (e_k + e_{L-k}) / 2 + e_L] = (1/L) sum_k e_k = the ELBO.
     Every token is scored exactly once. Two forward passes per pair."""
+    _check_batch(prompts, completions)
     B, L = completions.shape
     k = torch.randint(1, L + 1, (B,), generator=generator)
     S = mask_by_count(k, L, generator)
@@ -80,6 +87,7 @@ def diffucoder_coupled(model, prompts, completions, generator=None, per_token=Fa
                                             + 1[i not in S]/(1-t) log p(y^i | S^c masked) ].
     Biased for both the ELBO and log pi: its mean is half the one-step mean field plus the ELBO's
     t-integrand averaged over [0.2, 0.8] instead of [0, 1] (the two masked halves each count once)."""
+    _check_batch(prompts, completions)
     B, L = completions.shape
     t = 0.2 + 0.6 * torch.rand(B, 1, generator=generator)
     S = torch.rand(B, L, generator=generator) < t
@@ -95,6 +103,7 @@ def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, g
     one forward pass, where x~ is the prompt with each position masked with probability
     prompt_mask_prob (d1: 0.15). With 0 it is deterministic. Biased for log pi and for the ELBO:
     every token is predicted with no completion context at all."""
+    _check_batch(prompts, completions)
     if not 0.0 <= prompt_mask_prob < 1.0:
         raise ValueError(f"prompt_mask_prob: expected a probability in [0, 1), got {prompt_mask_prob!r}")
     if prompt_mask_prob > 0:
@@ -105,7 +114,8 @@ def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, g
     return logp if per_token else logp.sum(1)
 
 
-def _check_commit_steps(completions, commit_steps):
+def _check_commit_steps(prompts, completions, commit_steps):
+    _check_batch(prompts, completions)
     if tuple(commit_steps.shape) != tuple(completions.shape):
         raise ValueError(f"commit_steps: expected {tuple(completions.shape)}, got {tuple(commit_steps.shape)}")
     if (commit_steps < 0).any():
@@ -121,7 +131,7 @@ def trajectory_log_likelihood(model, prompts, completions, commit_steps, per_tok
     probability of the chosen positions, a term that does not depend on the model, so T carries all
     of its gradient. With low-confidence remasking (generate's), which positions are committed depends
     on the model's confidences; T leaves that choice out. One forward pass per step, K in all."""
-    _check_commit_steps(completions, commit_steps)
+    _check_commit_steps(prompts, completions, commit_steps)
     B, L = completions.shape
     K = int(commit_steps.max()) + 1
     s = torch.arange(K, device=commit_steps.device)[None, :, None]
@@ -138,7 +148,7 @@ def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=No
         X = sum_b K_b sum_{i: commit_i = t_b} log p(y^i | y with {j: commit_j >= t_b} masked, x).
     E_{t_b}[K_b Delta_{t_b}] = sum_{t in block b} Delta_t, so E[X] = T(y): unbiased for the trajectory
     sum, with one forward pass per block instead of one per step (all blocks in one batch)."""
-    _check_commit_steps(completions, commit_steps)
+    _check_commit_steps(prompts, completions, commit_steps)
     B, L = completions.shape
     block_len = block_len or L
     K = int(commit_steps.max()) + 1
@@ -168,6 +178,7 @@ def stp_log_likelihood(model, prompts, completions, anchors, generator=None):
     form rather than the STP code's unweighted mean over masked copies because it is an ELBO: its
     bias and variance sit in the same table as BGPO's, and it drops into BGPO's bound unchanged.
     With no anchors it is the count form of the ELBO."""
+    _check_batch(prompts, completions)
     B, L = completions.shape
     if tuple(anchors.shape) != (B, L) or anchors.dtype != torch.bool:
         raise ValueError(f"anchors: expected a ({B}, {L}) bool tensor, got {tuple(anchors.shape)} {anchors.dtype}")

@@ -398,6 +398,20 @@ def test_coupled_one_step_trajectory_and_stp_estimators_have_the_exact_moments_e
     assert abs(cases["STP"][0][0] - stp_mean) < 1e-10
 
 
+def test_estimators_reject_bad_shapes_with_a_value_error_naming_the_argument():
+    model = tiny_model()
+    x, y = random_batch(B=3)
+    commit = torch.arange(5).expand(3, 5)
+    for call, name in ((lambda: estimators.one_step_log_likelihood(model, x[:2], y), "prompts, completions"),
+                       (lambda: estimators.antithetic_elbo(model, x, y[:, None]), "prompts, completions"),
+                       (lambda: estimators.one_step_log_likelihood(model, x, y, prompt_mask_prob=1.5), "prompt_mask_prob"),
+                       (lambda: estimators.trajectory_log_likelihood(model, x, y, commit[:, :4]), "commit_steps"),
+                       (lambda: estimators.dtrpo_log_likelihood(model, x, y, commit - 1), "commit_steps"),
+                       (lambda: estimators.stp_log_likelihood(model, x, y, torch.ones(3, 5, dtype=torch.bool)), "anchors")):
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def test_one_step_estimate_is_its_closed_form_and_is_not_the_elbo():
     model = tiny_model()
     x, y = random_batch(B=3)
