@@ -610,9 +610,9 @@ def estimators_figure(results):
 
 
 def bench_estimators(args, task, model):
-    """Every estimator on one fixed batch of the SFT model's own rollouts: three tables and a JSON file."""
+    """Every estimator on one fixed batch of the SFT model's own rollouts: four tables (the last two on
+    Countdown and arithmetic only), a JSON file, and with --plot the Fig. 3 PNG."""
     t0 = time.time()
-    model.eval()  # no dropout here; eval only keeps the sampler's state as generate leaves it
     n_prompts, G = lab_batch(task)
     prompts, _ = task.sample(n_prompts, "train", args.seed + 3)
     batch = _rollouts(model, task, prompts, args, seed=args.seed + 5)
