@@ -11,7 +11,8 @@ Diffusion Large Language Models", arXiv 2510.11683. Read in this order:
    and bgpo_backward, which differ only in how many graphs autograd keeps alive.
 3. Measuring activation memory: ActivationMemory.
 4. The pipeline: SFT (the negative ELBO), the RL loop (sample, reward, advantage, update),
-   evaluation, checkpoints, the memory benchmark and the command line.
+   evaluation, checkpoints, figures, the memory benchmark and the command line.
+The other methods of the field and the estimator lab are the next chapter, estimators.py.
 
 Simplifications versus the paper and its official code:
 1. A 0.6M-parameter model trained from scratch on toy tasks instead of LLaDA-8B-Instruct.
