@@ -92,6 +92,13 @@ def elbo_terms(model, prompts, completions, mc):
     return mc.weight.to(logp) * logp.view(B, M)
 
 
+def subset_masks(L, device=None):
+    """Every subset of L positions as a (2^L, L) bool row: row S is the subset with bitmask S
+    (bit i = position i), row 0 the empty set."""
+    bits = torch.arange(2**L, device=device)
+    return (bits[:, None] >> torch.arange(L, device=device)) & 1 == 1
+
+
 def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
     """The enumeration table behind every exact quantity: for one prompt (P,) and completion (L,),
     masks (N, L) bool, every non-empty subset S of the L positions, and logp (N, L), where
@@ -99,8 +106,7 @@ def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
     (bit i = position i), so N = 2^L - 1 and a subset's row is found by arithmetic.
     Differentiable; chunk bounds the rows per forward pass (under no_grad, the peak memory)."""
     L = completion.shape[0]
-    bits = torch.arange(1, 2**L, device=completion.device)
-    masks = (bits[:, None] >> torch.arange(L, device=completion.device)) & 1 == 1       # (N, L)
+    masks = subset_masks(L, completion.device)[1:]                                   # (N, L), no empty set
     rows = [masked_log_likelihood(model, prompt.expand(len(m), -1), completion.expand(len(m), L), m, per_token=True)
             for m in masks.split(chunk)]
     return masks, torch.cat(rows)

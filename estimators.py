@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from bgpo import (ActivationMemory, RunError, bgpo_backward, draw, draw_mc_samples, elbo_from_table, elbo_terms, encode,
-                  group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table)
+                  group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table, subset_masks)
 from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 
 # -----------------------------------------------------------------------------
@@ -214,15 +214,10 @@ def average_of_draws(estimator, n, model, prompts, completions, *per_row, **opti
 # quantity the ELBO estimators see; the trajectory's states are mask sets too.
 
 
-def _bits(L):
-    S = torch.arange(2**L)
-    return ((S[:, None] >> torch.arange(L)) & 1).bool()                             # (2^L, L)
-
-
 def _size_stats(a, L, free=None):
     """For k = 1..F: the mean and the population variance of a(S) over the k-subsets S of the free
     positions (all L if free is None)."""
-    inside = _bits(L)
+    inside = subset_masks(L)
     size = inside.sum(1)
     ok = torch.ones(2**L, dtype=torch.bool) if free is None else ~(inside & ~free).any(1)
     F = L if free is None else int(free.sum())
@@ -253,7 +248,7 @@ def stratified_moments(stats, n_t):
 
 def antithetic_moments(a, L):
     """antithetic_elbo: P(S) = 1 / (L C(L, k)) for every non-empty S."""
-    inside = _bits(L)
+    inside = subset_masks(L)
     k = inside.sum(1)[1:].to(a)
     S = torch.arange(1, 2**L)
     comp = (2**L - 1) ^ S
@@ -268,7 +263,7 @@ def diffucoder_moments(a, mean_field, L, nodes=64):
     t^k (1-t)^(L-k). Exact over S; over t, Gauss-Legendre quadrature of the smooth integrand on
     [0.2, 0.8] (64 nodes: error far below float64 rounding of the sums)."""
     u, w = np.polynomial.legendre.leggauss(nodes)
-    k = _bits(L).sum(1).to(a)
+    k = subset_masks(L).sum(1).to(a)
     comp = (2**L - 1) ^ torch.arange(2**L)
     mean = second = 0.0
     for t, wt in zip(0.5 + 0.3 * u, w / 2):                                          # U(0.2, 0.8) = 0.5 + 0.3 U(-1, 1)
@@ -300,7 +295,7 @@ def one_step_prompt_mask_moments(model, prompt, completions, p, chunk=1024, weig
     completion is all MASK, so the input does not depend on it). Returns (G,) means and variances,
     or, given weights (G,), backpropagates sum_g weights_g E[X_g] instead (the exact gradient)."""
     P, (G, L) = prompt.shape[0], completions.shape
-    masks = _bits(P).to(prompt.device)
+    masks = subset_masks(P).to(prompt.device)
     prob = (p ** masks.sum(1) * (1 - p) ** (P - masks.sum(1))).to(torch.get_default_dtype())
     mean = second = 0.0
     for m, pm in zip(masks.split(chunk), prob.split(chunk)):
@@ -325,7 +320,7 @@ def exact_table(model, prompt, completion):
         masks, logp = log_probs_under_every_mask(model, prompt, completion)
     masks, logp = masks.cpu(), logp.double().cpu()
     full = torch.cat([logp.new_zeros(1, masks.shape[1]), logp])                       # row = bitmask
-    return masks, logp, (full * _bits(masks.shape[1])).sum(1), full
+    return masks, logp, (full * subset_masks(masks.shape[1])).sum(1), full
 
 
 def anchored_elbo(model, prompt, completion, free):
@@ -333,12 +328,12 @@ def anchored_elbo(model, prompt, completion, free):
     a(S) / (k C(F, k)), the ELBO of the free tokens with the anchors in the context. Differentiable."""
     positions = free.nonzero()[:, 0]
     F, L = len(positions), completion.shape[0]
-    pick = _bits(F)[1:].to(completion.device)                                        # (2^F - 1, F)
+    pick = subset_masks(F, completion.device)[1:]                                    # (2^F - 1, F)
     masks = torch.zeros(len(pick), L, dtype=torch.bool, device=completion.device)
     masks[:, positions] = pick
-    a = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L), masks)
-    k = pick.sum(1)
-    return (a / (k * torch.tensor([math.comb(F, int(j)) for j in k]).to(a))).sum()
+    logp = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L), masks,
+                                 per_token=True)
+    return elbo_from_table(pick, logp[:, positions])                                 # the ELBO over F positions
 
 
 # -----------------------------------------------------------------------------
