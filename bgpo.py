@@ -446,20 +446,50 @@ def load_model(path, task, args):
 # RL: BGPO (or the naive objective) on the model's own samples
 
 
-def rl_update(model, optimizer, args, x, y, mc, old_terms, A):
-    """One optimizer step on the objective chosen by --objective. Returns the loss value."""
-    optimizer.zero_grad(set_to_none=True)
+def _objective_backward(model, args, x, y, rollout, A):
+    """Backpropagate the loss of --objective for these rows; returns its value."""
     clip_eps = args.clip_eps if args.updates_per_batch > 1 else None  # on-policy it is inactive anyway
     if args.objective == "bgpo":
-        loss = bgpo_backward(model, x, y, mc, old_terms, A, clip_eps, args.mc_chunk)
-    else:
-        loss = naive_loss(model, x, y, mc, old_terms, A, clip_eps)
-        loss.backward()
-        loss = loss.item()
+        return bgpo_backward(model, x, y, rollout["mc"], rollout["old_terms"], A, clip_eps, args.mc_chunk)
+    if args.objective == "trajectory":
+        from estimators import trajectory_backward  # the sampler's own log-probability, in the next chapter
+        return trajectory_backward(model, x, y, rollout["commit_steps"], A)
+    loss = naive_loss(model, x, y, rollout["mc"], rollout["old_terms"], A, clip_eps)
+    loss.backward()
+    return loss.item()
+
+
+def rl_update(model, optimizer, args, x, y, rollout, A):
+    """One optimizer step on the objective chosen by --objective. Every objective is a mean over
+    the batch's rows, so the gradient is built in two parts, the rows with A > 0 and those with
+    A < 0 (each part's A scaled by its share of the rows), which add up to the full gradient; the
+    rows with A = 0 contribute nothing. Returns the loss and the parts' norms and cosine."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, grads = 0.0, []
+    for rows in (A > 0, A < 0):
+        n = int(rows.sum())
+        if n:
+            part = {k: v[rows] if torch.is_tensor(v) else MCSamples(v.mask[rows], v.weight[rows])
+                    for k, v in rollout.items()}
+            loss += _objective_backward(model, args, x[rows], y[rows], part, A[rows] * n / len(A))
+        grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                for p in model.parameters()]))
+    g_pos, g_neg = grads[0], grads[1] - grads[0]
+    split = {"grad_pos": g_pos.norm().item(), "grad_neg": g_neg.norm().item(),
+             "cos_pos_neg": torch.nn.functional.cosine_similarity(g_pos, g_neg, dim=0).item()}
     if math.isfinite(loss):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return loss
+    return loss, split
+
+
+@torch.no_grad()
+def prediction_entropy(model, prompts, gen_len):
+    """Mean entropy (nats) of the model's prediction at each completion position with the whole
+    completion masked, the sampler's first step: how sure the policy is before it writes anything."""
+    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
+    logp = model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:].log_softmax(-1)
+    return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
 
 
 def run_rl(args, task, model):
@@ -503,28 +533,38 @@ def run_rl(args, task, model):
         prompts = [p for p in prompts for _ in range(G)]                         # B = prompts x G
         x = encode(task, prompts, device=args.device)                            # (B, P)
         model.eval()
-        y = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
-                     temperature=args.temperature, generator=g)                   # (B, L)
+        y, commit_steps = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
+                                   temperature=args.temperature, generator=g, return_steps=True,
+                                   remasking=args.remasking)                   # (B, L), (B, L)
         model.train()
-        # 3. rewards and group-relative advantages
-        rewards = torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
+        # 3. rewards and group-relative advantages (the negative ones scaled by --neg-weight)
+        texts = [task.decode(ids) for ids in y.cpu()]
+        rewards = torch.tensor([task.reward(p, t) for p, t in zip(prompts, texts)])
         A = group_advantages(rewards, G).to(args.device)                          # (B,)
+        A = torch.where(A < 0, args.neg_weight * A, A)
         # 4. MC draws once per batch; the old policy's terms on the very same masks
-        mc = draw_mc_samples(B, task.gen_len, args.mc_samples, g).to(args.device)
-        with torch.no_grad():
-            old_terms = elbo_terms(model, x, y, mc)                              # (B, M)
+        if args.objective == "trajectory":
+            rollout = {"commit_steps": commit_steps}
+        else:
+            mc = draw_mc_samples(B, task.gen_len, args.mc_samples, g).to(args.device)
+            with torch.no_grad():
+                rollout = {"mc": mc, "old_terms": elbo_terms(model, x, y, mc)}     # (B, M)
         # 5. update(s), the learning rate warmed up linearly over the first --rl-warmup steps
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * min(1.0, step / args.rl_warmup) if args.rl_warmup else args.rl_lr
         with ActivationMemory(model) as memory:
             for _ in range(args.updates_per_batch):
-                loss = rl_update(model, optimizer, args, x, y, mc, old_terms, A)
+                loss, split = rl_update(model, optimizer, args, x, y, rollout, A)
                 if not math.isfinite(loss):  # the update was skipped; the checkpoint on disk is untouched
                     kept = f"{ckpt_path} (step {good_step})" if good_step else "none yet"
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: {kept}")
         # 6-8. log, evaluate, save
         record = {"step": step, "reward": rewards.mean().item(), "loss": loss,
-                  "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0}
+                  "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0,
+                  # what the rollouts are: solved, well-formed, and how sure the policy was
+                  "solved": (rewards == 1.0).float().mean().item(),
+                  "valid": sum(map(task.valid, prompts, texts)) / B,
+                  "entropy": prediction_entropy(model, x, task.gen_len), **split}
         line = f"step {step:4d} | reward {record['reward']:.3f} | loss {loss:+.4f} | act {record['activation_mb']:.1f} MB | {record['seconds']:.2f} s"
         if step % args.eval_every == 0 or step == args.rl_steps:
             result = evaluate_all(model, task, eval_prompts, pool, args)
@@ -642,8 +682,10 @@ def bench_memory(args, task):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            with ActivationMemory(model) as memory:
-                rl_update(model, optimizer, step_args, x, y, mc, old_terms, A)
+            with ActivationMemory(model) as memory:  # the whole batch in one objective, as the paper's
+                optimizer.zero_grad(set_to_none=True)
+                _objective_backward(model, step_args, x, y, {"mc": mc, "old_terms": old_terms}, A)
+                optimizer.step()
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -732,10 +774,12 @@ def parse_args(argv=None):
     p.add_argument("--sft-ckpt", default=None, help="SFT checkpoint to write or read (default: a name in --out-dir made from the settings)")
     # RL
     p.add_argument("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each (default: %(default)s)")
-    p.add_argument("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's lower bound or the naive ELBO objective (default: %(default)s)")
+    p.add_argument("--objective", choices=["bgpo", "naive", "trajectory"], default="bgpo", help="BGPO's lower bound, the naive ELBO objective, or the control: REINFORCE on the sampler's trajectory log-probability (default: %(default)s)")
     p.add_argument("--prompts-per-step", type=positive_int, default=16, help="prompts per RL step (default: %(default)s)")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt, G (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (default: %(default)s)")
+    p.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence", help="which positions a rollout step commits: the most confident, or uniformly random ones (default: %(default)s)")
+    p.add_argument("--neg-weight", type=float, default=1.0, help="scale of the negative advantages, in [0, 1] (default: %(default)s)")
     p.add_argument("--mc-samples", type=positive_int, default=16, help="MC samples n_t per completion (default: %(default)s)")
     p.add_argument("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO (default: %(default)s)")
     p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
@@ -771,6 +815,10 @@ def parse_args(argv=None):
         p.error(f"--updates-per-batch must be at least 1, got {args.updates_per_batch}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.neg_weight <= 1:
+        p.error(f"--neg-weight must be in [0, 1], got {args.neg_weight}")
+    if args.objective == "trajectory" and args.updates_per_batch > 1:
+        p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1")
     if args.block_len and args.block_len > L or args.gen_steps and args.gen_steps > L:
         p.error(f"--block-len and --gen-steps must be at most the completion length {L} of {args.task}")
     if args.gen_steps and args.gen_steps < math.ceil(L / (args.block_len or L)):

@@ -142,6 +142,24 @@ def trajectory_log_likelihood(model, prompts, completions, commit_steps, per_tok
     return per_position if per_token else per_position.sum(1)
 
 
+def trajectory_backward(model, prompts, completions, commit_steps, advantages):
+    """The RL objective on the sampler's own trajectory, -mean_b A_b T(y_b) / L, backpropagated one
+    sampler step at a time. T is a sum over steps, so, as in bgpo_backward, the steps' gradients add
+    up to the full gradient while only one step's activations are alive. It is on-policy REINFORCE
+    (one update per rollout batch): with random remasking the exact policy gradient of the sampler;
+    with low-confidence remasking, the committed tokens' part of it. Returns the loss."""
+    _check_commit_steps(prompts, completions, commit_steps)
+    if tuple(advantages.shape) != (completions.shape[0],):
+        raise ValueError(f"advantages: expected ({completions.shape[0]},), got shape {tuple(advantages.shape)}")
+    L, total = completions.shape[1], 0.0
+    for s in range(int(commit_steps.max()) + 1):
+        logp = masked_log_likelihood(model, prompts, completions, commit_steps >= s, per_token=True)
+        loss = -(advantages.to(logp) * (logp * (commit_steps == s)).sum(1)).mean() / L
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None):
     """dTRPO's estimate of T(y) (trajectory_log_likelihood): in each block b, one step t_b drawn
     uniformly among the K_b steps that committed the block's tokens, scaled by K_b:

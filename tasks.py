@@ -181,7 +181,9 @@ def parse_expression(text, max_len=32, max_abs=10**6):
 
 
 class Task:
-    """What every task shares: the tokenizer and its encode/decode."""
+    """What every task shares: the tokenizer and its encode/decode. Each task also says when an
+    answer is well-formed, right or wrong (valid): the RL log tracks that share, because a policy
+    that collapses stops writing valid answers before its reward says why."""
     tokenizer = TOKENIZER
 
     def encode(self, text):
@@ -224,6 +226,10 @@ class Arithmetic(Task):
             return 1.0 if _answer_text(completion) == str(int(a) + int(b)) else 0.0
         except (ValueError, AttributeError):
             return 0.0
+
+    def valid(self, prompt, completion):
+        """A number: digits only."""
+        return _answer_text(completion).isdigit()
 
 
 # -----------------------------------------------------------------------------
@@ -292,6 +298,14 @@ class Countdown(Task):
         except ParseError:
             return 0.0
         return 1.0 if sorted(used) == numbers and value == target else 0.1
+
+    def valid(self, prompt, completion):
+        """An expression that uses exactly the prompt's numbers, whatever its value."""
+        try:
+            numbers = sorted(int(s) for s in prompt.split(":")[0].split(","))
+            return sorted(parse_expression(_answer_text(completion))[1]) == numbers
+        except (ParseError, ValueError, AttributeError):
+            return False
 
 
 # -----------------------------------------------------------------------------
@@ -362,6 +376,12 @@ class Sudoku(Task):
         answer = _answer_text(completion)[:16]
         right = sum(1 for i in blanks if i < len(answer) and answer[i] == solutions[0][i])
         return right / len(blanks)
+
+    def valid(self, prompt, completion):
+        """16 digits in 1-4 that keep the prompt's given cells."""
+        answer, cells = _answer_text(completion)[:16], prompt.replace("|", "") if isinstance(prompt, str) else ""
+        return (len(answer) == 16 == len(cells) and set(answer) <= set("1234")
+                and all(c in (".", a) for c, a in zip(cells, answer)))
 
 
 # -----------------------------------------------------------------------------

@@ -663,11 +663,80 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
         torch.manual_seed(0)
         m = tiny_model()
         optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        bgpo.rl_update(m, optimizer, tiny_args(tmp_path, "--objective", objective), x, y, mc, old_terms, A)
+        bgpo.rl_update(m, optimizer, tiny_args(tmp_path, "--objective", objective), x, y,
+                       {"mc": mc, "old_terms": old_terms}, A)
         new_params[objective] = torch.cat([p.detach().flatten() for p in m.parameters()])
     moved = (new_params["bgpo"] - torch.cat([p.detach().flatten() for p in model.parameters()])).abs().max()
     assert moved > 1e-3, "the update should move the parameters"
     assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), report(*new_params.values())
+
+
+def test_the_update_is_built_from_its_positive_and_negative_parts_and_adds_up_to_the_full_step(tmp_path):
+    """rl_update backpropagates the rows with A > 0 and those with A < 0 separately; the parts it
+    reports must be the gradients of A+ and A- on the whole batch, and its step that of the full loss."""
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    parts = []
+    for a in (A.clamp(min=0), A.clamp(max=0), A):
+        model.zero_grad()
+        bgpo_backward(model, x, y, mc, old_terms, a)
+        parts.append(grads(model).clone())
+    g_pos, g_neg, g_full = parts
+    assert torch.allclose(g_pos + g_neg, g_full, atol=1e-12)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    loss, split = bgpo.rl_update(model, torch.optim.SGD(model.parameters(), lr=1.0), tiny_args(tmp_path), x, y,
+                                 {"mc": mc, "old_terms": old_terms}, A)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert split["grad_pos"] == pytest.approx(g_pos.norm().item(), rel=1e-9)
+    assert split["grad_neg"] == pytest.approx(g_neg.norm().item(), rel=1e-9)
+    assert split["cos_pos_neg"] == pytest.approx((g_pos @ g_neg / (g_pos.norm() * g_neg.norm())).item(), rel=1e-9)
+    assert loss == pytest.approx(-A.mean().item(), abs=1e-12)                # on-policy the bound's value is -mean A
+    step = g_full * min(1.0, 1.0 / g_full.norm().item())                      # clip_grad_norm_(1.0), then SGD lr 1
+    assert torch.allclose(before - after, step, atol=1e-9), report(before - after, step)
+
+
+def test_trajectory_backward_is_the_gradient_of_the_trajectory_objective():
+    """One backward per sampler step adds up to autograd through the whole trajectory sum."""
+    model = tiny_model()
+    x, _ = random_batch(B=4)
+    y, commit = generate(model, x, 5, steps=3, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    A = torch.tensor([1.0, -0.5, 0.0, -0.5])
+    loss = -(A * estimators.trajectory_log_likelihood(model, x, y, commit)).mean() / 5
+    loss.backward()
+    expected = grads(model).clone()
+    model.zero_grad()
+    value = estimators.trajectory_backward(model, x, y, commit, A)
+    assert value == pytest.approx(loss.item(), abs=1e-12)
+    assert torch.allclose(grads(model), expected, atol=1e-12), report(grads(model), expected)
+
+
+def test_prediction_entropy_of_a_uniform_model_is_log_of_the_tokens_it_can_write():
+    model = tiny_model()
+    torch.nn.init.zeros_(model.head.weight)                                   # every logit 0; MASK's is -inf
+    x, _ = random_batch(B=3)
+    assert bgpo.prediction_entropy(model, x, 5) == pytest.approx(math.log(model.config.vocab_size - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("task_name, prompt, completion, valid", [
+    ("countdown", "15,4,1:64", "15*4+1", True),             # right numbers, wrong value: still valid
+    ("countdown", "15,4,1:64", "4+11+5", False),            # numbers not in the prompt: the collapse
+    ("countdown", "15,4,1:64", "15*4", False),              # a number dropped
+    ("countdown", "15,4,1:64", "((((", False),
+    ("arithmetic", "12+30=", "41", True),
+    ("arithmetic", "12+30=", "4+1", False),
+    ("sudoku", "12.4|3.1.|....|..3.", "1234341221434132", True),   # keeps the givens (not a solution)
+    ("sudoku", "12.4|3.1.|....|..3.", "2134341221434132", False),  # changes a given
+    ("sudoku", "12.4|3.1.|....|..3.", "123434122143413", False),   # 15 cells
+])
+def test_valid_says_whether_an_answer_is_well_formed(task_name, prompt, completion, valid):
+    assert get_task(task_name).valid(prompt, completion) is valid
+
+
+def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
+    bgpo.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
+    records = bgpo.read_log(tmp_path / "arithmetic_trajectory_nt4_u1_seed0" / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
 
 
 def test_figures_hold_the_lines_they_draw_and_draw_a_png_when_matplotlib_is_there(tmp_path):
@@ -743,6 +812,8 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--rl-pool", "1"], "smaller than --prompts-per-step"),
     (["--rl-pool", "-1"], "integer >= 0"),
     (["--rl-warmup", "-3"], "integer >= 0"),
+    (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
+    (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -752,14 +823,17 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    real = bgpo.bgpo_backward
-    calls = []
+    real_update, real_backward, updates = bgpo.rl_update, bgpo._objective_backward, []
 
-    def nan_on_second_step(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs) if len(calls) == 1 else float("nan")
+    def counting_update(*args):
+        updates.append(1)
+        return real_update(*args)
 
-    monkeypatch.setattr(bgpo, "bgpo_backward", nan_on_second_step)
+    def nan_from_second_step(*args):
+        return real_backward(*args) if len(updates) == 1 else float("nan")
+
+    monkeypatch.setattr(bgpo, "rl_update", counting_update)
+    monkeypatch.setattr(bgpo, "_objective_backward", nan_from_second_step)
     with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)
