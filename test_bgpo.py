@@ -823,17 +823,13 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    real_update, real_backward, updates = bgpo.rl_update, bgpo._objective_backward, []
-
-    def counting_update(*args):
-        updates.append(1)
-        return real_update(*args)
+    real, updates = bgpo.rl_update, []
 
     def nan_from_second_step(*args):
-        return real_backward(*args) if len(updates) == 1 else float("nan")
+        updates.append(1)
+        return real(*args) if len(updates) == 1 else (float("nan"), {})
 
-    monkeypatch.setattr(bgpo, "rl_update", counting_update)
-    monkeypatch.setattr(bgpo, "_objective_backward", nan_from_second_step)
+    monkeypatch.setattr(bgpo, "rl_update", nan_from_second_step)
     with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)
