@@ -790,7 +790,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
     p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
-    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK[_poolN]_seedS)")
+    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_random]_uK[_poolN]_seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
     p.add_argument("--plot", action="store_true", help="draw the run's curves (or the benchmark's figure) as a PNG, if matplotlib is installed (default: %(default)s)")
     p.add_argument("--compare", nargs="+", metavar="RUN", default=None, help="draw the curves of these RL runs (folders in --out-dir) in one figure, compare.png, then exit (default: %(default)s)")
@@ -804,7 +804,10 @@ def parse_args(argv=None):
     L = get_task(args.task).gen_len
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
     pool_tag = f"_pool{args.rl_pool}" if args.rl_pool else ""
-    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}{pool_tag}_seed{args.seed}"
+    estimator = f"_nt{args.mc_samples}" if args.objective != "trajectory" else ""  # the trajectory has no MC samples
+    remasking = "_random" if args.remasking == "random" else ""
+    args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{remasking}_u{args.updates_per_batch}"
+                                      f"{pool_tag}_seed{args.seed}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.group_size < 2:
@@ -871,7 +874,8 @@ def main(argv=None):
     print(f"\n{'':>22} {'accuracy':>9} {'reward':>7}")
     print(f"{'SFT model':>22} {first['accuracy']:>9.1%} {first['reward']:>7.3f}")
     print(f"{'after ' + str(last['step']) + ' RL steps':>22} {last['accuracy']:>9.1%} {last['reward']:>7.3f}")
-    print(f"({args.objective}, n_t = {args.mc_samples}, {time.time() - t0:.0f} s on {args.device})")
+    how = f"n_t = {args.mc_samples}" if args.objective != "trajectory" else f"{args.remasking} remasking"
+    print(f"({args.objective}, {how}, {time.time() - t0:.0f} s on {args.device})")
     run_dir = os.path.join(args.out_dir, args.run_name)
     written = [sft_path(args)] + [os.path.join(run_dir, f) for f in ("ckpt.pt", "log.jsonl", "curves.png")]
     print("files: " + ", ".join(f for f in written if os.path.isfile(f)))

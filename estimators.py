@@ -146,8 +146,10 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
     """The RL objective on the sampler's own trajectory, -mean_b A_b T(y_b) / L, backpropagated one
     sampler step at a time. T is a sum over steps, so, as in bgpo_backward, the steps' gradients add
     up to the full gradient while only one step's activations are alive. It is on-policy REINFORCE
-    (one update per rollout batch): with random remasking the exact policy gradient of the sampler;
-    with low-confidence remasking, the committed tokens' part of it. Returns the loss."""
+    (one update per rollout batch): for rollouts at temperature 1 with random remasking, the exact
+    policy gradient of the sampler; with low-confidence remasking, the committed tokens' part of it.
+    Its gradient is that of BGPO's bound on-policy, with the sampler's steps in place of the ELBO's masks.
+    Returns the loss."""
     _check_commit_steps(prompts, completions, commit_steps)
     if tuple(advantages.shape) != (completions.shape[0],):
         raise ValueError(f"advantages: expected ({completions.shape[0]},), got shape {tuple(advantages.shape)}")

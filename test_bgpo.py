@@ -733,7 +733,7 @@ def test_valid_says_whether_an_answer_is_well_formed(task_name, prompt, completi
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     bgpo.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
-    records = bgpo.read_log(tmp_path / "arithmetic_trajectory_nt4_u1_seed0" / "log.jsonl")
+    records = bgpo.read_log(tmp_path / "arithmetic_trajectory_random_u1_seed0" / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
