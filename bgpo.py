@@ -682,7 +682,7 @@ def bench_memory(args, task):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            with ActivationMemory(model) as memory:  # the whole batch in one objective, as the paper's
+            with ActivationMemory(model) as memory:  # the whole batch at once, as the objectives are written
                 optimizer.zero_grad(set_to_none=True)
                 _objective_backward(model, step_args, x, y, {"mc": mc, "old_terms": old_terms}, A)
                 optimizer.step()
