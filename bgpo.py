@@ -55,6 +55,9 @@ class MCSamples:
     def __getitem__(self, j):  # samples j (a slice): a chunk for bgpo_backward
         return MCSamples(self.mask[:, j], self.weight[:, j])
 
+    def rows(self, b):  # sequences b (a bool mask or indices): a part of the batch for rl_update
+        return MCSamples(self.mask[b], self.weight[b])
+
     def to(self, device):
         return MCSamples(self.mask.to(device), self.weight.to(device))
 
@@ -469,8 +472,7 @@ def rl_update(model, optimizer, args, x, y, rollout, A):
     for rows in (A > 0, A < 0):
         n = int(rows.sum())
         if n:
-            part = {k: v[rows] if torch.is_tensor(v) else MCSamples(v.mask[rows], v.weight[rows])
-                    for k, v in rollout.items()}
+            part = {k: v.rows(rows) if isinstance(v, MCSamples) else v[rows] for k, v in rollout.items()}
             loss += _objective_backward(model, args, x[rows], y[rows], part, A[rows] * n / len(A))
         grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                                 for p in model.parameters()]))

@@ -287,25 +287,28 @@ class Countdown(Task):
                 answers.append(expr)
         return prompts, answers
 
-    def reward(self, prompt, completion):
+    @staticmethod
+    def _read(prompt, completion):
+        """(sorted prompt numbers, target, the answer's value, the numbers it uses), or None if the
+        prompt is malformed or the answer does not parse."""
         try:
             numbers_text, target_text = prompt.split(":")
             numbers, target = sorted(int(s) for s in numbers_text.split(",")), int(target_text)
-        except (ValueError, AttributeError):
+            return (numbers, target, *parse_expression(_answer_text(completion)))
+        except (ValueError, AttributeError, ParseError):
+            return None
+
+    def reward(self, prompt, completion):
+        read = self._read(prompt, completion)
+        if read is None:
             return 0.0
-        try:
-            value, used = parse_expression(_answer_text(completion))
-        except ParseError:
-            return 0.0
+        numbers, target, value, used = read
         return 1.0 if sorted(used) == numbers and value == target else 0.1
 
     def valid(self, prompt, completion):
         """An expression that uses exactly the prompt's numbers, whatever its value."""
-        try:
-            numbers = sorted(int(s) for s in prompt.split(":")[0].split(","))
-            return sorted(parse_expression(_answer_text(completion))[1]) == numbers
-        except (ParseError, ValueError, AttributeError):
-            return False
+        read = self._read(prompt, completion)
+        return read is not None and sorted(read[3]) == read[0]
 
 
 # -----------------------------------------------------------------------------
