@@ -449,20 +449,24 @@ def load_model(path, task, args):
 # RL: BGPO (or the naive objective) on the model's own samples
 
 
-def _objective_backward(model, args, x, y, rollout, A):
-    """Backpropagate the loss of --objective for these rows; returns its value."""
+def _objective_backward(model, args, x, y, rollout, A, inner=0):
+    """Backpropagate the loss of --objective (of inner update `inner`) for these rows; returns its value."""
     clip_eps = args.clip_eps if args.updates_per_batch > 1 else None  # on-policy it is inactive anyway
-    if args.objective == "bgpo":
+    if args.objective in ("diffu-grpo", "stp", "dtrpo"):
+        from estimators import field_loss  # the field's other methods, in the next chapter
+        loss = field_loss(model, args.objective, x, y, rollout, A, inner, clip_eps, args.block_len)
+    elif args.objective == "bgpo":
         return bgpo_backward(model, x, y, rollout["mc"], rollout["old_terms"], A, clip_eps, args.mc_chunk)
-    if args.objective == "trajectory":
+    elif args.objective == "trajectory":
         from estimators import trajectory_backward  # the sampler's own log-probability, in the next chapter
         return trajectory_backward(model, x, y, rollout["commit_steps"], A)
-    loss = naive_loss(model, x, y, rollout["mc"], rollout["old_terms"], A, clip_eps)
+    else:
+        loss = naive_loss(model, x, y, rollout["mc"], rollout["old_terms"], A, clip_eps)
     loss.backward()
     return loss.item()
 
 
-def rl_update(model, optimizer, args, x, y, rollout, A):
+def rl_update(model, optimizer, args, x, y, rollout, A, inner=0):
     """One optimizer step on the objective chosen by --objective. Every objective is a mean over
     the batch's rows, so the gradient is built in two parts, the rows with A > 0 and those with
     A < 0 (each part's A scaled by its share of the rows), which add up to the full gradient; the
@@ -472,8 +476,8 @@ def rl_update(model, optimizer, args, x, y, rollout, A):
     for rows in (A > 0, A < 0):
         n = int(rows.sum())
         if n:
-            part = {k: v.rows(rows) if isinstance(v, MCSamples) else v[rows] for k, v in rollout.items()}
-            loss += _objective_backward(model, args, x[rows], y[rows], part, A[rows] * n / len(A))
+            part = {k: v.rows(rows) if hasattr(v, "rows") else v[rows] for k, v in rollout.items()}  # MCSamples
+            loss += _objective_backward(model, args, x[rows], y[rows], part, A[rows] * n / len(A), inner)
         grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                                 for p in model.parameters()]))
     g_pos, g_neg = grads[0], grads[1] - grads[0]
@@ -495,6 +499,7 @@ def prediction_entropy(model, prompts, gen_len):
 
 
 def run_rl(args, task, model):
+    from estimators import FIELD, d1_advantages, field_rollout, stp_prior  # the field's methods: the next chapter
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
@@ -535,18 +540,23 @@ def run_rl(args, task, model):
         prompts = [p for p in prompts for _ in range(G)]                         # B = prompts x G
         x = encode(task, prompts, device=args.device)                            # (B, P)
         model.eval()
+        prior = stp_prior(task, prompts, model.config.mask_id) if args.objective == "stp" and not args.no_anchors else None
         y, commit_steps = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
                                    temperature=args.temperature, generator=g, return_steps=True,
-                                   remasking=args.remasking)                   # (B, L), (B, L)
+                                   remasking=args.remasking, prior=prior, early_stop=args.stp_tau)  # (B, L), (B, L)
         model.train()
         # 3. rewards and group-relative advantages (the negative ones scaled by --neg-weight)
         texts = [task.decode(ids) for ids in y.cpu()]
         rewards = torch.tensor([task.reward(p, t) for p, t in zip(prompts, texts)])
-        A = group_advantages(rewards, G).to(args.device)                          # (B,)
+        A = (d1_advantages if args.d1_advantages else group_advantages)(rewards, G).to(args.device)  # (B,)
         A = torch.where(A < 0, args.neg_weight * A, A)
         # 4. MC draws once per batch; the old policy's terms on the very same masks
         if args.objective == "trajectory":
             rollout = {"commit_steps": commit_steps}
+        elif args.objective in FIELD:  # one draw per inner update, and the old policy's values on each
+            anchors = None if prior is None else prior.to(args.device) != model.config.mask_id
+            rollout = field_rollout(model, args.objective, x, y, commit_steps, args.updates_per_batch, g, anchors,
+                                    args.mc_samples, args.block_len)
         else:
             mc = draw_mc_samples(B, task.gen_len, args.mc_samples, g).to(args.device)
             with torch.no_grad():
@@ -555,8 +565,8 @@ def run_rl(args, task, model):
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * min(1.0, step / args.rl_warmup) if args.rl_warmup else args.rl_lr
         with ActivationMemory(model) as memory:
-            for _ in range(args.updates_per_batch):
-                loss, split = rl_update(model, optimizer, args, x, y, rollout, A)
+            for j in range(args.updates_per_batch):
+                loss, split = rl_update(model, optimizer, args, x, y, rollout, A, j)
                 if not math.isfinite(loss):  # the update was skipped; the checkpoint on disk is untouched
                     kept = f"{ckpt_path} (step {good_step})" if good_step else "none yet"
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: {kept}")
@@ -566,7 +576,8 @@ def run_rl(args, task, model):
                   # what the rollouts are: solved, well-formed, and how sure the policy was
                   "solved": (rewards == 1.0).float().mean().item(),
                   "valid": sum(map(task.valid, prompts, texts)) / B,
-                  "entropy": prediction_entropy(model, x, task.gen_len), **split}
+                  "entropy": prediction_entropy(model, x, task.gen_len),
+                  "rollout_passes": int(commit_steps.max()) + 1, **split}  # the sampler's forward passes
         line = f"step {step:4d} | reward {record['reward']:.3f} | loss {loss:+.4f} | act {record['activation_mb']:.1f} MB | {record['seconds']:.2f} s"
         if step % args.eval_every == 0 or step == args.rl_steps:
             result = evaluate_all(model, task, eval_prompts, pool, args)
@@ -776,16 +787,19 @@ def parse_args(argv=None):
     p.add_argument("--sft-ckpt", default=None, help="SFT checkpoint to write or read (default: a name in --out-dir made from the settings)")
     # RL
     p.add_argument("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each (default: %(default)s)")
-    p.add_argument("--objective", choices=["bgpo", "naive", "trajectory"], default="bgpo", help="BGPO's lower bound, the naive ELBO objective, or the control: REINFORCE on the sampler's trajectory log-probability (default: %(default)s)")
+    p.add_argument("--objective", choices=["bgpo", "naive", "trajectory", "diffu-grpo", "stp", "dtrpo"], default="bgpo", help="BGPO's lower bound, the naive ELBO objective, the control (REINFORCE on the sampler's trajectory log-probability), or one of the field's methods in estimators.py (default: %(default)s)")
     p.add_argument("--prompts-per-step", type=positive_int, default=16, help="prompts per RL step (default: %(default)s)")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt, G (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (default: %(default)s)")
     p.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence", help="which positions a rollout step commits: the most confident, or uniformly random ones (default: %(default)s)")
     p.add_argument("--neg-weight", type=float, default=1.0, help="scale of the negative advantages, in [0, 1] (default: %(default)s)")
-    p.add_argument("--mc-samples", type=positive_int, default=16, help="MC samples n_t per completion (default: %(default)s)")
+    p.add_argument("--mc-samples", type=positive_int, default=None, help="MC samples n_t per completion, for bgpo, naive and stp (default: 16; STP's num_t: 3)")
     p.add_argument("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO (default: %(default)s)")
-    p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch; 1 = on-policy (default: %(default)s)")
-    p.add_argument("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1 (default: %(default)s)")
+    p.add_argument("--updates-per-batch", type=int, default=None, help="optimizer steps per rollout batch (mu); 1 = on-policy (default: 1; 4 for diffu-grpo, stp, dtrpo)")
+    p.add_argument("--clip-eps", type=positive_float, default=None, help="PPO clip, used when --updates-per-batch > 1 (default: 0.2; d1's 0.5 for diffu-grpo)")
+    p.add_argument("--stp-tau", type=float, default=None, help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place (default: 0.75 with --objective stp)")
+    p.add_argument("--no-anchors", action="store_true", help="STP without its spatial pruning (no anchors), for the ablation (default: %(default)s)")
+    p.add_argument("--d1-advantages", action="store_true", help="diffu-grpo with d1's advantage, reward minus group mean (default: z-scored, Eq. 18)")
     p.add_argument("--rl-lr", type=positive_float, default=5e-5, help="RL learning rate (default: %(default)s)")
     p.add_argument("--rl-warmup", type=non_negative_int, default=0, help="RL steps of linear learning-rate warmup (default: %(default)s)")
     p.add_argument("--rl-pool", type=non_negative_int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
@@ -805,11 +819,25 @@ def parse_args(argv=None):
         p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
     L = get_task(args.task).gen_len
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
+    field = args.objective in ("diffu-grpo", "stp", "dtrpo")
+    if args.stp_tau is not None and (args.objective != "stp" or not 0 < args.stp_tau <= 1):
+        p.error(f"--stp-tau is STP's early stop, in (0, 1], for --objective stp; got {args.stp_tau} with {args.objective}")
+    for flag, on, objective in (("--d1-advantages", args.d1_advantages, "diffu-grpo"), ("--no-anchors", args.no_anchors, "stp")):
+        if on and args.objective != objective:
+            p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
+    if args.mc_chunk > 1 and args.objective != "bgpo":
+        p.error(f"--mc-chunk is BGPO's (one backward per chunk of MC samples), not an option of --objective {args.objective}")
+    args.stp_tau = args.stp_tau or (0.75 if args.objective == "stp" else None)
+    args.mc_samples = args.mc_samples or (3 if args.objective == "stp" else 16)
+    args.updates_per_batch = (4 if field else 1) if args.updates_per_batch is None else args.updates_per_batch
+    args.clip_eps = args.clip_eps or (0.5 if args.objective == "diffu-grpo" else 0.2)
     pool_tag = f"_pool{args.rl_pool}" if args.rl_pool else ""
-    estimator = f"_nt{args.mc_samples}" if args.objective != "trajectory" else ""  # the trajectory has no MC samples
+    estimator = f"_nt{args.mc_samples}" if args.objective in ("bgpo", "naive", "stp") else ""  # the others draw no masked copies
     remasking = "_random" if args.remasking == "random" else ""
-    args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{remasking}_u{args.updates_per_batch}"
-                                      f"{pool_tag}_seed{args.seed}")
+    options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
+        ("_d1adv" if args.d1_advantages else "")
+    args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}{remasking}"
+                                      f"_u{args.updates_per_batch}{pool_tag}_seed{args.seed}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.group_size < 2:
@@ -876,8 +904,9 @@ def main(argv=None):
     print(f"\n{'':>22} {'accuracy':>9} {'reward':>7}")
     print(f"{'SFT model':>22} {first['accuracy']:>9.1%} {first['reward']:>7.3f}")
     print(f"{'after ' + str(last['step']) + ' RL steps':>22} {last['accuracy']:>9.1%} {last['reward']:>7.3f}")
-    how = f"n_t = {args.mc_samples}" if args.objective != "trajectory" else f"{args.remasking} remasking"
-    print(f"({args.objective}, {how}, {time.time() - t0:.0f} s on {args.device})")
+    how = f"n_t = {args.mc_samples}, " if args.objective in ("bgpo", "naive", "stp") else ""
+    print(f"({args.objective}, {how}{args.remasking} remasking, {args.updates_per_batch} update(s) per rollout batch, "
+          f"{time.time() - t0:.0f} s on {args.device})")
     run_dir = os.path.join(args.out_dir, args.run_name)
     written = [sft_path(args)] + [os.path.join(run_dir, f) for f in ("ckpt.pt", "log.jsonl", "curves.png")]
     print("files: " + ", ".join(f for f in written if os.path.isfile(f)))

@@ -45,8 +45,9 @@ import time
 import numpy as np
 import torch
 
-from bgpo import (ActivationMemory, RunError, bgpo_backward, draw, draw_mc_samples, elbo_from_table, elbo_terms, encode,
-                  group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table, subset_masks)
+from bgpo import (ActivationMemory, MCSamples, RunError, _ppo, bgpo_backward, draw, draw_mc_samples, elbo_from_table,
+                  elbo_terms, encode, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table,
+                  subset_masks)
 from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 
 # -----------------------------------------------------------------------------
@@ -162,33 +163,72 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
     return total
 
 
-def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None):
+def _steps_of_blocks(commit_steps, block_len):
+    """(B, nb, K) bool: step s committed at least one token of block b."""
+    K = int(commit_steps.max()) + 1
+    steps = torch.arange(K, device=commit_steps.device)
+    return torch.stack([(blk[..., None] == steps).any(1) for blk in commit_steps.split(block_len, 1)], 1)
+
+
+def draw_block_steps(commit_steps, block_len=None, generator=None):
+    """dTRPO's draw: for each block, one step t_b uniform among the K_b steps that committed its
+    tokens (B, nb). A step that commits nothing in the block would add 0; it is never drawn."""
+    present = _steps_of_blocks(commit_steps, block_len or commit_steps.shape[1])
+    scores = torch.rand(present.shape, generator=generator).to(present.device).masked_fill(~present, -1.0)
+    return scores.argmax(-1)
+
+
+def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None, steps=None):
     """dTRPO's estimate of T(y) (trajectory_log_likelihood): in each block b, one step t_b drawn
-    uniformly among the K_b steps that committed the block's tokens, scaled by K_b:
-        X = sum_b K_b sum_{i: commit_i = t_b} log p(y^i | y with {j: commit_j >= t_b} masked, x).
+    uniformly among the K_b steps that committed the block's tokens (draw_block_steps, or given as
+    steps (B, nb)), scaled by K_b:
+        X = sum_b K_b sum_{i in b: commit_i = t_b} log p(y^i | y with {j: commit_j >= t_b} masked, x).
     E_{t_b}[K_b Delta_{t_b}] = sum_{t in block b} Delta_t, so E[X] = T(y): unbiased for the trajectory
     sum, with one forward pass per block instead of one per step (all blocks in one batch)."""
     _check_commit_steps(prompts, completions, commit_steps)
+    (B, L), block_len = completions.shape, block_len or completions.shape[1]
+    present = _steps_of_blocks(commit_steps, block_len)                               # (B, nb, K)
+    t = draw_block_steps(commit_steps, block_len, generator) if steps is None else steps.to(commit_steps.device)
+    if tuple(t.shape) != tuple(present.shape[:2]):
+        raise ValueError(f"steps: expected {tuple(present.shape[:2])} (one step per block), got {tuple(t.shape)}")
+    nb = t.shape[1]
+    block = torch.arange(L, device=commit_steps.device) // block_len                 # (L,)
+    states = commit_steps[:, None] >= t[..., None]                                   # (B, nb, L): before step t_b
+    new = (commit_steps[:, None] == t[..., None]) & (block == torch.arange(nb, device=block.device)[:, None])
+    logp = masked_log_likelihood(model, prompts.repeat_interleave(nb, 0), completions.repeat_interleave(nb, 0),
+                                 states.flatten(0, 1), per_token=True).view(B, nb, L)
+    return (present.sum(-1).to(logp) * (logp * new).sum(-1)).sum(1)
+
+
+def draw_anchored_masks(anchors, n=1, generator=None):
+    """STP's spatial pruning as a draw: n masked copies per sequence in which the anchors (B, L) bool
+    are never masked. With F free positions, each copy draws k ~ U{1..F} and a uniform k-subset S of
+    the free positions. Returns MCSamples: mask (B, n, L) and weight F/k (B, n)."""
+    if anchors.dim() != 2 or anchors.dtype != torch.bool:
+        raise ValueError(f"anchors: expected a (B, L) bool tensor, got {tuple(anchors.shape)} {anchors.dtype}")
+    anchors = anchors.cpu()
+    F = (~anchors).sum(1, keepdim=True)                                               # (B, 1)
+    if (F == 0).any():
+        raise ValueError("anchors: every sequence needs at least one free position")
+    k = (torch.rand(anchors.shape[0], n, generator=generator) * F).long() + 1        # U{1..F}
+    scores = torch.rand(*k.shape, anchors.shape[1], generator=generator).masked_fill(anchors[:, None], 2.0)
+    S = scores.argsort(-1).argsort(-1) < k[..., None]                                # anchors rank last
+    return MCSamples(S, (F / k).to(torch.get_default_dtype()))
+
+
+def stp_token_log_likelihood(model, prompts, completions, mc):
+    """Per token, (B, L): l_i = (1/n) sum_j w_j 1[i in S_j] log p(y^i | y with S_j masked, x), for the
+    n copies of draw_anchored_masks. Its sum over i is the mean of n draws of stp_log_likelihood.
+    The B*n copies go through the model as one batch, so memory grows with n (as in STP's code)."""
+    _check_batch(prompts, completions)
     B, L = completions.shape
-    block_len = block_len or L
-    K = int(commit_steps.max()) + 1
-    steps = torch.arange(K, device=commit_steps.device)
-    states, new, scale = [], [], []
-    for lo in range(0, L, block_len):
-        block = commit_steps[:, lo:lo + block_len]
-        present = (block[:, :, None] == steps).any(1)                                # (B, K): steps of this block
-        scores = torch.rand(B, K, generator=generator).to(present.device).masked_fill(~present, -1.0)
-        t = scores.argmax(1, keepdim=True)                                           # (B, 1), uniform over present
-        in_block = torch.zeros_like(commit_steps, dtype=torch.bool)
-        in_block[:, lo:lo + block_len] = True
-        states.append(commit_steps >= t)
-        new.append((commit_steps == t) & in_block)
-        scale.append(present.sum(1))
-    nb = len(states)
-    logp = masked_log_likelihood(model, prompts.repeat(nb, 1), completions.repeat(nb, 1), torch.cat(states),
-                                 per_token=True)
-    delta = (logp * torch.cat(new)).sum(1)                                           # (nb * B,)
-    return (torch.cat(scale).to(delta) * delta).view(nb, B).sum(0)
+    if mc.mask.dim() != 3 or tuple(mc.mask.shape[::2]) != (B, L):
+        raise ValueError(f"mc.mask: expected ({B}, n, {L}), got {tuple(mc.mask.shape)}")
+    n = mc.mask.shape[1]
+    mask = mc.mask.to(completions.device)
+    logp = masked_log_likelihood(model, prompts.repeat_interleave(n, 0), completions.repeat_interleave(n, 0),
+                                 mask.flatten(0, 1), per_token=True).view(B, n, L)
+    return (mc.weight.to(logp)[..., None] * mask * logp).mean(1)
 
 
 def stp_log_likelihood(model, prompts, completions, anchors, generator=None):
@@ -199,18 +239,9 @@ def stp_log_likelihood(model, prompts, completions, anchors, generator=None):
     bias and variance sit in the same table as BGPO's, and it drops into BGPO's bound unchanged.
     With no anchors it is the count form of the ELBO."""
     _check_batch(prompts, completions)
-    B, L = completions.shape
-    if tuple(anchors.shape) != (B, L) or anchors.dtype != torch.bool:
-        raise ValueError(f"anchors: expected a ({B}, {L}) bool tensor, got {tuple(anchors.shape)} {anchors.dtype}")
-    anchors = anchors.cpu()
-    F = (~anchors).sum(1)
-    if (F == 0).any():
-        raise ValueError("anchors: every sequence needs at least one free position")
-    k = (torch.rand(B, generator=generator) * F).long() + 1                          # U{1..F}
-    scores = torch.rand(B, L, generator=generator).masked_fill(anchors, 2.0)         # anchors rank last
-    S = scores.argsort(1).argsort(1) < k[:, None]
-    logp = masked_log_likelihood(model, prompts, completions, S.to(completions.device))
-    return (F / k).to(logp) * logp
+    if tuple(anchors.shape) != tuple(completions.shape):
+        raise ValueError(f"anchors: expected {tuple(completions.shape)}, got {tuple(anchors.shape)}")
+    return stp_token_log_likelihood(model, prompts, completions, draw_anchored_masks(anchors, 1, generator)).sum(1)
 
 
 def sudoku_anchors(prompts):
@@ -661,3 +692,138 @@ def bench_estimators(args, task, model):
     print(f"\nwrote {path} ({time.time() - t0:.0f} s, SFT excluded)")
     if args.plot:
         draw(estimators_figure(results), os.path.join(args.out_dir, f"estimators_{task.name}.png"))
+
+
+# -----------------------------------------------------------------------------
+# 4. The field's RL objectives: python bgpo.py --objective diffu-grpo | stp | dtrpo
+#
+# Each method fixes its randomness once per rollout batch, one draw per inner update (a prompt mask,
+# n masked copies, one step per block), and computes the rollout policy's values on those draws
+# (field_rollout); inner update j then compares the current policy with the old one on draw j, as
+# d1 does with its mask seeds. On-policy every loss has the gradient of -mean_b A_b X_b / L, with X
+# the method's estimate of log pi(y_b | x), the same as BGPO's with the ELBO (DESIGN.md sec. 4).
+
+
+def token_grpo_loss(logp, old_logp, advantages, clip_eps=None):
+    """d1's per-token GRPO: -(1/BL) sum_{b,i} min(rho_bi A_b, clip(rho_bi, 1 - eps, 1 + eps) A_b), with
+    rho_bi = exp(logp_bi - old_logp_bi); logp, old_logp (B, L), advantages (B,); clip_eps None: no clip."""
+    if logp.dim() != 2 or tuple(old_logp.shape) != tuple(logp.shape):
+        raise ValueError(f"old_logp: expected {tuple(logp.shape)}, got {tuple(old_logp.shape)}")
+    if tuple(advantages.shape) != (logp.shape[0],):
+        raise ValueError(f"advantages: expected ({logp.shape[0]},), got {tuple(advantages.shape)}")
+    return -_ppo((logp - old_logp).exp(), advantages.to(logp)[:, None], clip_eps).mean()
+
+
+def diffu_grpo_loss(model, prompts, completions, prompt_mask, old_logp, advantages, clip_eps=0.5):
+    """d1's diffu-GRPO (Zhao et al. 2025), one inner update: token_grpo_loss on the one-step mean-field
+    estimate of each token, log p(y^i | x~, completion all MASK), where x~ is the prompt masked at
+    prompt_mask (B, P) bool, the same mask for the old and the current policy. old_logp (B, L).
+    Departures from d1: 1. group_advantages (z-scored) by default; d1 divides by nothing
+    (d1_advantages, bgpo.py --d1-advantages, restores it). 2. No KL term (d1: beta 0.04). 3. mu = 4 inner
+    updates by default (d1: 12). 4. Every completion position counts (d1 stops at the first EOS)."""
+    if tuple(prompt_mask.shape) != tuple(prompts.shape):
+        raise ValueError(f"prompt_mask: expected {tuple(prompts.shape)}, got {tuple(prompt_mask.shape)}")
+    x = prompts.masked_fill(prompt_mask.to(prompts.device), model.config.mask_id)
+    logp = one_step_log_likelihood(model, x, completions, per_token=True)
+    return token_grpo_loss(logp, old_logp, advantages, clip_eps)
+
+
+def stp_loss(model, prompts, completions, mc, old_logp, advantages, clip_eps=0.2):
+    """STP (Liu et al. 2026), one inner update: token_grpo_loss on stp_token_log_likelihood, the per-
+    token split of the anchored ELBO over mc's n copies (draw_anchored_masks: anchors never masked).
+    The rollouts come from generate(..., prior=, early_stop=): anchors pre-filled, early stop.
+    Departures from STP: 1. per-token terms weighted F/k and from masked positions only (STP's code:
+    an unweighted mean over copies, visible positions included). 2. Anchors are Sudoku's given cells,
+    not the most confident tokens of an offline LLaDA completion; Countdown and arithmetic have none,
+    so there STP is temporal pruning only. 3. The early stop counts tokens in place, tau = 0.75 by
+    default (STP: 0.95 of 256 tokens; 0.95 of 10 tokens would be the last token only). 4. No KL
+    term (STP: beta 0.04). 5. group_advantages, not STP's (r - mean) / (std + 1e-4)."""
+    return token_grpo_loss(stp_token_log_likelihood(model, prompts, completions, mc), old_logp, advantages, clip_eps)
+
+
+def dtrpo_loss(model, prompts, completions, commit_steps, steps, old_value, advantages, clip_eps=0.2,
+               block_len=None):
+    """dTRPO online, one inner update: the trajectory's log-ratio estimated with one step per block,
+    R = dtrpo_log_likelihood(..., steps) (B,), and the sequence ratio rho_b = exp((R_b - R_old_b) / L),
+    PPO-clipped: -mean_b min(rho_b A_b, clip(rho_b) A_b), the naive objective with the trajectory in
+    place of the ELBO. Departures from dTRPO: 1. the paper's objective is offline DPO against a frozen
+    reference (dtrpo_dpo_loss); this is its estimator inside our GRPO loop. 2. The ratio is divided by
+    L, as our naive objective's is. 3. One row per block with full attention, not block attention."""
+    if tuple(old_value.shape) != (completions.shape[0],):
+        raise ValueError(f"old_value: expected ({completions.shape[0]},), got {tuple(old_value.shape)}")
+    value = dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len, steps=steps)
+    ratio = ((value - old_value) / completions.shape[1]).exp()
+    return -_ppo(ratio, advantages.to(ratio), clip_eps).mean()
+
+
+def dtrpo_dpo_loss(model, reference, prompts, win, win_steps, lose, lose_steps, beta=0.1, block_len=None,
+                   steps=None, generator=None):
+    """dTRPO as published: DPO on trajectories (offline). For a preferred completion (win, with its
+    commit steps) and a dispreferred one of the same prompt, each log-ratio against the frozen
+    reference is estimated with one step per block, the same drawn steps for both models:
+        L = -mean log sigmoid(beta [(R_theta(w) - R_ref(w)) - (R_theta(l) - R_ref(l))]).
+    steps: None to draw, or the (win, lose) steps (B, nb) each."""
+    if not beta > 0:
+        raise ValueError(f"beta: expected a positive number, got {beta!r}")
+    margins = []
+    for y, commit, t in ((win, win_steps, None if steps is None else steps[0]),
+                         (lose, lose_steps, None if steps is None else steps[1])):
+        t = draw_block_steps(commit, block_len, generator) if t is None else t
+        with torch.no_grad():
+            ref = dtrpo_log_likelihood(reference, prompts, y, commit, block_len, steps=t)
+        margins.append(dtrpo_log_likelihood(model, prompts, y, commit, block_len, steps=t) - ref)
+    return -torch.nn.functional.logsigmoid(beta * (margins[0] - margins[1])).mean()
+
+
+FIELD = ("diffu-grpo", "stp", "dtrpo")
+
+
+def d1_advantages(rewards, group_size):
+    """d1's advantage: the reward minus its group's mean, not divided by the group's std."""
+    group_advantages(rewards, group_size)                                            # the same checks of the arguments
+    r = rewards.view(-1, group_size)
+    return (r - r.mean(1, keepdim=True)).flatten()
+
+
+def stp_prior(task, prompts, mask_id):
+    """STP's static prior as generate's prior=: (B, L) token ids, mask_id at the free positions. On
+    Sudoku, the given cells (the completion repeats the grid); the other tasks have none: None."""
+    if task.name != "sudoku":
+        return None
+    grid = task.tokenizer.encode_batch([p.replace("|", "") for p in prompts], task.gen_len, "right")
+    return grid.masked_fill(~sudoku_anchors(prompts), mask_id)
+
+
+@torch.no_grad()
+def field_rollout(model, objective, x, y, commit_steps, inner, generator, anchors=None, num_t=3, block_len=None,
+                  prompt_mask_prob=0.15):
+    """What a field objective fixes once per rollout batch: for each of the `inner` updates its own
+    draw (diffu-GRPO: a prompt mask; STP: num_t anchored masked copies; dTRPO: one step per block)
+    and the rollout policy's values on it ("old"). Every tensor is (B, inner, ...): a part of the
+    batch is a set of rows, and inner update j reads [:, j]."""
+    B, L = y.shape
+    if objective == "diffu-grpo":
+        hide = (torch.rand(B, inner, x.shape[1], generator=generator) < prompt_mask_prob).to(x.device)
+        old = [one_step_log_likelihood(model, x.masked_fill(hide[:, j], model.config.mask_id), y, per_token=True)
+               for j in range(inner)]
+        return {"prompt_mask": hide, "old": torch.stack(old, 1)}
+    if objective == "stp":
+        anchors = torch.zeros(B, L, dtype=torch.bool) if anchors is None else anchors
+        mc = draw_anchored_masks(anchors, inner * num_t, generator)
+        mc = MCSamples(mc.mask.view(B, inner, num_t, L), mc.weight.view(B, inner, num_t)).to(x.device)
+        return {"mc": mc, "old": torch.stack([stp_token_log_likelihood(model, x, y, mc[j]) for j in range(inner)], 1)}
+    if objective == "dtrpo":
+        t = torch.stack([draw_block_steps(commit_steps, block_len, generator) for _ in range(inner)], 1)
+        old = [dtrpo_log_likelihood(model, x, y, commit_steps, block_len, steps=t[:, j]) for j in range(inner)]
+        return {"commit_steps": commit_steps, "steps": t, "old": torch.stack(old, 1)}
+    raise ValueError(f"objective: expected one of {FIELD}, got {objective!r}")
+
+
+def field_loss(model, objective, x, y, rollout, advantages, j, clip_eps=None, block_len=None):
+    """The loss of inner update j for these rows (rollout from field_rollout, maybe a part of it)."""
+    old = rollout["old"][:, j]
+    if objective == "diffu-grpo":
+        return diffu_grpo_loss(model, x, y, rollout["prompt_mask"][:, j], old, advantages, clip_eps)
+    if objective == "stp":
+        return stp_loss(model, x, y, rollout["mc"][j], old, advantages, clip_eps)
+    return dtrpo_loss(model, x, y, rollout["commit_steps"], rollout["steps"][:, j], old, advantages, clip_eps, block_len)

@@ -173,7 +173,7 @@ def _tokens_per_step(block_size, steps):
 
 @torch.no_grad()
 def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
-             return_steps=False, remasking="low_confidence"):
+             return_steps=False, remasking="low_confidence", prior=None, early_stop=None):
     """Fill a completion of gen_len tokens, starting all MASK.
 
     Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
@@ -185,7 +185,15 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     position was committed. remasking="random" commits k positions of the block chosen uniformly
     instead of the most confident ones (LLaDA's other option): then the order does not depend on the
     model, and one token per step samples from the random-order model whose likelihood
-    random_order_log_likelihood (bgpo.py) computes."""
+    random_order_log_likelihood (bgpo.py) computes.
+
+    STP's two prunings (Liu et al. 2026), both off by default:
+    prior (B, L): token ids, mask_id where free. The other tokens (anchors) are in place from the
+      start, are never changed, and keep commit step -1; each row spreads its own free positions
+      over the block's steps, and a step at which no row commits anything needs no forward pass.
+    early_stop tau: a row stops committing once int(tau * gen_len) of its tokens are in place
+      (anchors included); when every row has stopped, one more forward pass fills every position
+      still masked with its sampled token, all committed at that last step."""
     steps = gen_len if steps is None else steps
     block_len = gen_len if block_len is None else block_len
     if not 1 <= block_len <= gen_len:
@@ -197,21 +205,36 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     if remasking not in ("low_confidence", "random"):
         raise ValueError(f"remasking: expected 'low_confidence' or 'random', got {remasking!r}")
+    if prior is not None and tuple(prior.shape) != (prompts.shape[0], gen_len):
+        raise ValueError(f"prior: expected ({prompts.shape[0]}, {gen_len}), got {tuple(prior.shape)}")
+    if early_stop is not None and not 0 < early_stop <= 1:
+        raise ValueError(f"early_stop: expected a fraction in (0, 1], got {early_stop!r}")
     B, P = prompts.shape
     mask_id = model.config.mask_id
-    x = torch.cat([prompts, torch.full((B, gen_len), mask_id, dtype=torch.long, device=prompts.device)], 1)
+    completion = torch.full((B, gen_len), mask_id, dtype=torch.long) if prior is None else prior
+    x = torch.cat([prompts, completion.to(prompts.device)], 1)
     committed_at = torch.full((B, gen_len), -1, dtype=torch.long, device=prompts.device)
+    budget = int(early_stop * gen_len) if early_stop else gen_len      # tokens in place before the early stop
     step = 0
+
+    def predict():
+        logits = model(x).float()                                        # (B, T, V)
+        if temperature > 0:
+            u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)  # drawn on CPU: same on every device
+            gumbel = -torch.log(-torch.log(u)).to(logits.device)
+            return logits, (logits + temperature * gumbel).argmax(-1)    # a sample of softmax(logits/temperature)
+        return logits, logits.argmax(-1)
+
     for b, block_steps in enumerate(_steps_per_block(steps, num_blocks)):
         lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
-        for k in _tokens_per_step(hi - lo, block_steps):
-            logits = model(x).float()                                    # (B, T, V)
-            if temperature > 0:
-                u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)  # drawn on CPU: same on every device
-                gumbel = -torch.log(-torch.log(u)).to(logits.device)
-                x0 = (logits + temperature * gumbel).argmax(-1)          # sample of softmax(logits/temperature)
-            else:
-                x0 = logits.argmax(-1)
+        free = (x[:, lo:hi] == mask_id).sum(1).tolist()                  # per row; all hi - lo without a prior
+        counts = torch.tensor([_tokens_per_step(f, block_steps) for f in free], device=x.device)  # (B, steps)
+        for s in range(block_steps):
+            placed = (x[:, P:] != mask_id).sum(1)
+            k = counts[:, s].masked_fill(placed >= budget, 0)            # tokens each row commits now
+            if not k.any():
+                continue                                                 # nothing to commit: no forward pass
+            logits, x0 = predict()
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]  # (B, T)
             if remasking == "random":
                 confidence = torch.rand(confidence.shape, generator=generator).to(confidence.device)
@@ -219,10 +242,18 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             candidate[:, :lo] = False
             candidate[:, hi:] = False                                    # only the current block
             confidence = confidence.masked_fill(~candidate, -1.0)
-            chosen = confidence.topk(k, dim=1).indices                   # (B, k)
-            x.scatter_(1, chosen, x0.gather(1, chosen))
-            committed_at.scatter_(1, chosen - P, step)
+            chosen = confidence.topk(int(k.max()), dim=1).indices        # (B, k_max), most confident first
+            row = torch.arange(B, device=x.device)[:, None].expand_as(chosen)
+            keep = torch.arange(chosen.shape[1], device=x.device) < k[:, None]  # each row's own k
+            row, chosen = row[keep], chosen[keep]
+            x[row, chosen] = x0[row, chosen]
+            committed_at[row, chosen - P] = step
             step += 1
+    if early_stop and (x[:, P:] == mask_id).any():                       # one pass fills the rest
+        _, x0 = predict()
+        rest = x == mask_id
+        x[rest] = x0[rest]
+        committed_at[rest[:, P:]] = step
     completions = x[:, P:]
     return (completions, committed_at) if return_steps else completions
 
