@@ -682,13 +682,19 @@ def bench_memory(args, task):
     A = group_advantages(torch.randint(0, 2, (B,), generator=g).to(torch.get_default_dtype()), args.group_size)
     A = A.to(args.device)
     cuda = args.device == "cuda"
+    commit = torch.rand(B, task.gen_len, generator=g).argsort(1).argsort(1).to(args.device)  # an order, for dtrpo
+    from estimators import FIELD, field_rollout
 
-    def measure(objective, n_t, mc_chunk):
+    def measure(objective, n_t, mc_chunk=1):
         step_args = argparse.Namespace(**{**vars(args), "objective": objective, "mc_chunk": mc_chunk,
-                                          "updates_per_batch": 1})
-        mc = draw_mc_samples(B, task.gen_len, n_t, g).to(args.device)
-        with torch.no_grad():
-            old_terms = elbo_terms(model, x, y, mc)
+                                          "updates_per_batch": 1, "block_len": None})
+        if objective in FIELD + ("trajectory",):
+            rollout = field_rollout(model, objective, x, y, commit, 1, g, num_t=n_t) if objective in FIELD \
+                else {"commit_steps": commit}
+        else:
+            mc = draw_mc_samples(B, task.gen_len, n_t, g).to(args.device)
+            with torch.no_grad():
+                rollout = {"mc": mc, "old_terms": elbo_terms(model, x, y, mc)}
         times = []
         for _ in range(args.bench_repeats):
             if cuda:
@@ -697,7 +703,7 @@ def bench_memory(args, task):
             t0 = time.perf_counter()
             with ActivationMemory(model) as memory:  # the whole batch at once, as the objectives are written
                 optimizer.zero_grad(set_to_none=True)
-                _objective_backward(model, step_args, x, y, {"mc": mc, "old_terms": old_terms}, A)
+                _objective_backward(model, step_args, x, y, rollout, A)
                 optimizer.step()
             if cuda:
                 torch.cuda.synchronize()
@@ -727,6 +733,15 @@ def bench_memory(args, task):
         if chunk <= n_t:
             mb, s, cuda_mb = measure("bgpo", n_t, chunk)
             print(f"{chunk:>8} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+    print("\nEvery objective, one update on the same batch: which grow with their sample count (estimators.py)")
+    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
+    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)), ("naive", "n_t masked copies", (1, 16)),
+                                    ("stp", "num_t masked copies", (1, 3, 16)), ("diffu-grpo", "1 prompt mask", (1,)),
+                                    ("dtrpo", "1 step per block", (1,)), ("trajectory", f"all {task.gen_len} steps", (1,))):
+        for n in counts:
+            mb, s, cuda_mb = measure(objective, n)
+            label = what if len(counts) == 1 else f"{n} {what}"
+            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
     if args.plot:
         os.makedirs(args.out_dir, exist_ok=True)
         draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
@@ -775,6 +790,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps (default: %(default)s)")
     p.add_argument("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit (default: %(default)s)")
     p.add_argument("--bench-estimators", action="store_true", help="measure every likelihood estimator of estimators.py against exact enumeration on the SFT model's rollouts, then exit (default: %(default)s)")
+    p.add_argument("--dtrpo-offline", action="store_true", help="dTRPO as published: DPO on the SFT model's solved and unsolved rollouts, then exit (default: %(default)s)")
     p.add_argument("--bench-repeats", type=positive_int, default=3, help="update steps timed per row of --bench-memory (default: %(default)s)")
     # model
     p.add_argument("--n-layer", type=positive_int, default=3, help="transformer blocks (default: %(default)s)")
@@ -884,15 +900,15 @@ def main(argv=None):
         runs = {run: read_log(os.path.join(args.out_dir, run, "log.jsonl")) for run in args.compare}
         return draw(curves_figure(runs), os.path.join(args.out_dir, "compare.png"))
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
-    reuse = args.stage == "all" or args.bench_estimators
+    reuse = args.stage == "all" or args.bench_estimators or args.dtrpo_offline
     if args.stage in ("sft", "all") and not (reuse and os.path.isfile(sft_path(args))):
         model = run_sft(args, task)
     else:
         model, _ = load_model(sft_path(args), task, args)
         print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
-    if args.bench_estimators:
-        from estimators import bench_estimators  # a chapter of its own; it imports this file
-        return bench_estimators(args, task, model)
+    if args.bench_estimators or args.dtrpo_offline:
+        from estimators import bench_estimators, offline_dtrpo  # a chapter of its own; it imports this file
+        return (bench_estimators if args.bench_estimators else offline_dtrpo)(args, task, model)
     if args.stage == "sft":
         result = evaluate(model, task, task.sample(args.eval_size, "test", 1234)[0], args)
         print(f"SFT held-out accuracy {result['accuracy']:.1%}, mean reward {result['reward']:.3f}")

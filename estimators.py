@@ -37,6 +37,7 @@ Where the toy versions depart from their papers:
 Shapes: B batch, L completion length, P prompt length, K sampler steps, N enumerated sets.
 """
 import contextlib
+import copy
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from bgpo import (ActivationMemory, MCSamples, RunError, _ppo, bgpo_backward, draw, draw_mc_samples, elbo_from_table,
-                  elbo_terms, encode, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table,
+                  elbo_terms, encode, evaluate, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table,
                   subset_masks)
 from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 
@@ -827,3 +828,53 @@ def field_loss(model, objective, x, y, rollout, advantages, j, clip_eps=None, bl
     if objective == "stp":
         return stp_loss(model, x, y, rollout["mc"][j], old, advantages, clip_eps)
     return dtrpo_loss(model, x, y, rollout["commit_steps"], rollout["steps"][:, j], old, advantages, clip_eps, block_len)
+
+
+def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1, lr=5e-5):
+    """dTRPO as published, in small (python bgpo.py --dtrpo-offline): the SFT model samples G
+    completions of n_prompts training problems, recording their commit steps; each group gives
+    min(#solved, #not solved) pairs of a solved (reward 1) and an unsolved completion; dtrpo_dpo_loss
+    trains the model on them against the frozen SFT model. Each epoch prints the exact trajectory
+    margin on the pairs (every step, trajectory_log_likelihood), the quantity the one-step-per-block
+    estimate stands for, and the held-out accuracy."""
+    g = torch.Generator().manual_seed(args.seed + 4)
+    eval_prompts = task.sample(args.eval_size, "test", 1234)[0]
+    prompts = [p for p in task.sample(n_prompts, "train", g)[0] for _ in range(args.group_size)]
+    x = encode(task, prompts, device=args.device)
+    model.eval()
+    y, commit = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
+                         temperature=args.temperature, generator=g, return_steps=True)
+    solved = torch.tensor([task.reward(p, task.decode(c)) == 1.0 for p, c in zip(prompts, y.cpu())])
+    win, lose = [], []
+    for lo in range(0, len(prompts), args.group_size):                              # pairs within a prompt's group
+        group = torch.arange(lo, lo + args.group_size)
+        w, l = group[solved[group]], group[~solved[group]]
+        win, lose = win + w[:len(l)].tolist(), lose + l[:len(w)].tolist()
+    win, lose = torch.tensor(win), torch.tensor(lose)
+    reference = copy.deepcopy(model).requires_grad_(False)
+
+    @torch.no_grad()
+    def shifts():  # mean exact log-ratio to the reference, T_theta - T_ref, of the solved and the unsolved
+        return [float((trajectory_log_likelihood(model, x[i], y[i], commit[i]) -
+                       trajectory_log_likelihood(reference, x[i], y[i], commit[i])).mean()) for i in (win, lose)]
+
+    result = {"pairs": len(win), "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]]}
+    print(f"{len(win)} pairs from {n_prompts} prompts x G = {args.group_size} (solved share {solved.float().mean():.3f});"
+          f" held-out accuracy of the SFT model {result['accuracy'][0]:.1%}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for epoch in range(epochs):
+        order = torch.randperm(len(win), generator=g)
+        for i in range(0, len(win), batch):
+            w, l = win[order[i:i + batch]], lose[order[i:i + batch]]
+            loss = dtrpo_dpo_loss(model, reference, x[w], y[w], commit[w], y[l], commit[l], beta, args.block_len,
+                                  generator=g)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        (up, down), accuracy = shifts(), evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]
+        result["accuracy"].append(accuracy)
+        print(f"epoch {epoch + 1}: exact log-ratio to the SFT model, solved {up:+.3f}, unsolved {down:+.3f} (margin"
+              f" {up - down:+.3f}); held-out accuracy {accuracy:.1%}")
+    return result

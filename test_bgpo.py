@@ -814,6 +814,11 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--rl-warmup", "-3"], "integer >= 0"),
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
     (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
+    (["--stp-tau", "0.5"], "for --objective stp; got 0.5 with bgpo"),
+    (["--objective", "stp", "--stp-tau", "0"], "in (0, 1]"),
+    (["--d1-advantages"], "--d1-advantages is an option of --objective diffu-grpo"),
+    (["--objective", "dtrpo", "--no-anchors"], "--no-anchors is an option of --objective stp"),
+    (["--objective", "diffu-grpo", "--mc-chunk", "2"], "--mc-chunk is BGPO's"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -834,3 +839,148 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)
     assert kept["step"] == 1
+
+
+# -----------------------------------------------------------------------------
+# The field's RL objectives (estimators.py, section 4): diffu-GRPO, STP, dTRPO
+
+
+def logp_given(model, prompts, inputs, targets):
+    """log p(targets_i | prompts, inputs) at every completion position, straight from the model: (B, L)."""
+    logits = model(torch.cat([prompts, inputs], 1))[:, prompts.shape[1]:]
+    return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+
+
+def clipped_by_hand(ratios, A, eps):
+    """-mean of min(r A, clip(r, 1 - eps, 1 + eps) A) over a list of (ratio, advantage) pairs."""
+    return -np.mean([min(r * a, min(max(r, 1 - eps), 1 + eps) * a) for r, a in zip(ratios, A)])
+
+
+DELTA = torch.tensor([[0.5, -0.1, 0.05, -0.6], [0.3, -0.4, 0.0, 0.15]], dtype=torch.float64)  # log-ratios inside and outside the clip
+ADV = torch.tensor([1.5, -0.7], dtype=torch.float64)
+
+
+def test_diffu_grpo_loss_equals_the_per_token_clipped_ratio_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    hide = torch.tensor([[False, True, False], [True, False, True]])
+    everything = torch.full_like(y, 1)                                     # MASK = 1
+    hand = logp_given(model, x.masked_fill(hide, 1), everything, y).detach()
+    loss = estimators.diffu_grpo_loss(model, x, y, hide, hand - DELTA, ADV, clip_eps=0.5)
+    expected = clipped_by_hand(DELTA.exp().flatten().tolist(), ADV.repeat_interleave(4).tolist(), 0.5)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_stp_loss_equals_the_per_token_clipped_ratio_of_the_weighted_copies_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    mask = torch.tensor([[[True, False, True, False], [False, False, False, True]],
+                         [[True, True, False, False], [True, True, True, False]]])  # (B, n = 2, L)
+    weight = torch.tensor([[2.0, 4.0], [1.5, 1.0]])
+    hand = sum(weight[:, j, None] * mask[:, j] * logp_given(model, x, y.masked_fill(mask[:, j], 1), y)
+               for j in range(2)).detach() / 2
+    loss = estimators.stp_loss(model, x, y, bgpo.MCSamples(mask, weight), hand - DELTA, ADV, clip_eps=0.2)
+    expected = clipped_by_hand(DELTA.exp().flatten().tolist(), ADV.repeat_interleave(4).tolist(), 0.2)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_dtrpo_loss_equals_the_sequence_clipped_ratio_of_one_step_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    commit = torch.tensor([[2, 0, 3, 1], [1, 1, 0, 2]])
+    steps = torch.tensor([[2], [1]])                                       # one block: one step each
+    # row 0: 4 steps; at step 2 positions {0, 2} are masked and 0 is committed. Row 1: 3 steps; at
+    # step 1 positions {0, 1, 3} are masked and 0, 1 are committed
+    lp0 = logp_given(model, x[:1], y[:1].masked_fill(torch.tensor([[True, False, True, False]]), 1), y[:1])[0]
+    lp1 = logp_given(model, x[1:], y[1:].masked_fill(torch.tensor([[True, True, False, True]]), 1), y[1:])[0]
+    hand = torch.stack([4 * lp0[0], 3 * (lp1[0] + lp1[1])]).detach()
+    delta = torch.tensor([0.1, -0.5])                                      # per-token log-ratios: x L = 4
+    loss = estimators.dtrpo_loss(model, x, y, commit, steps, hand - 4 * delta, ADV, clip_eps=0.2)
+    assert loss.item() == pytest.approx(clipped_by_hand(delta.exp().tolist(), ADV.tolist(), 0.2), rel=1e-12)
+
+
+def test_dtrpo_dpo_loss_is_minus_log_sigmoid_of_beta_margin_and_has_no_gradient_for_equal_pairs():
+    model, reference, (x, y) = tiny_model(), tiny_model(seed=1), random_batch(B=1, P=3, L=4)
+    win, lose = y, y.flip(1)
+    c_win, c_lose = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[3, 2, 1, 0]])
+    steps = (torch.tensor([[1]]), torch.tensor([[0]]))
+    # win at step 1: positions 1-3 masked, position 1 committed; lose at step 0: all masked, position 3 committed
+    state_w, state_l = torch.tensor([[False, True, True, True]]), torch.ones(1, 4, dtype=torch.bool)
+
+    def R(m):
+        return (4 * logp_given(m, x, win.masked_fill(state_w, 1), win)[0, 1]
+                - 4 * logp_given(m, x, lose.masked_fill(state_l, 1), lose)[0, 3]).item()
+    margin = R(model) - R(reference)
+    loss = estimators.dtrpo_dpo_loss(model, reference, x, win, c_win, lose, c_lose, beta=0.5, steps=steps)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * margin))), rel=1e-12)
+
+    model.zero_grad()
+    estimators.dtrpo_dpo_loss(model, reference, x, win, c_win, win, c_win, beta=0.5, steps=(steps[0], steps[0])).backward()
+    assert grads(model).abs().max().item() == 0.0, "equal pairs: the two log-ratios cancel"
+
+
+def test_each_field_objective_has_the_on_policy_gradient_of_its_estimate_on_the_same_draws():
+    """On-policy (inner update 0), every loss has the gradient of -mean_b A_b X_b / L, X the estimate."""
+    model, (x, _) = tiny_model(), random_batch(B=4, P=3, L=5)
+    y, commit = generate(model, x, 5, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    A = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    estimate = {"diffu-grpo": lambda r: estimators.one_step_log_likelihood(model, x.masked_fill(r["prompt_mask"][:, 0], 1), y),
+                "stp": lambda r: estimators.stp_token_log_likelihood(model, x, y, r["mc"][0]).sum(1),
+                "dtrpo": lambda r: estimators.dtrpo_log_likelihood(model, x, y, commit, steps=r["steps"][:, 0])}
+    for objective, X in estimate.items():
+        rollout = estimators.field_rollout(model, objective, x, y, commit, 2, torch.Generator().manual_seed(1))
+        model.zero_grad()
+        estimators.field_loss(model, objective, x, y, rollout, A, 0, clip_eps=0.2).backward()
+        g_loss = grads(model).clone()
+        model.zero_grad()
+        (-(A * X(rollout)).mean() / 5).backward()
+        assert torch.allclose(g_loss, grads(model), rtol=1e-10, atol=1e-13), f"{objective}: {report(g_loss, grads(model))}"
+
+
+def test_diffu_grpo_old_and_current_policy_see_the_same_prompt_mask_and_inner_updates_different_ones():
+    model, (x, y) = tiny_model(), random_batch(B=8, P=6, L=4)
+    seen = []
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0][:, :6].clone()))
+    rollout = estimators.field_rollout(model, "diffu-grpo", x, y, None, 3, torch.Generator().manual_seed(0))
+    old = seen[:]                                                          # the old policy, one pass per inner update
+    for j in range(3):
+        estimators.field_loss(model, "diffu-grpo", x, y, rollout, torch.ones(8), j, clip_eps=0.5)
+        assert torch.equal(seen[-1], old[j]), f"inner update {j} sees the prompt mask its old values were computed on"
+        assert (seen[-1] == 1).any(), "some prompt tokens are masked (p = 0.15 of 48)"
+    assert not torch.equal(old[0], old[1]) and not torch.equal(old[1], old[2]), "each inner update has its own mask"
+
+
+def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_in_fewer_passes():
+    model, (x, _) = tiny_model(max_len=3 + 8), random_batch(B=16, P=3, L=8)
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.rand(16, 8, generator=g) < 0.3
+    prior = torch.randint(2, 10, (16, 8), generator=g).masked_fill(~anchors, 1)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    y, commit = generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior, early_stop=0.5)
+    assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), "anchors: in place, never committed"
+    assert not (y == 1).any() and (commit[~anchors] >= 0).all(), "the early stop filled every masked position"
+    passes = int(commit.max()) + 1
+    assert len(calls) == passes < 8, f"{len(calls)} forward passes, one per step that committed something, and the fill"
+    placed_before_fill = anchors.sum(1) + ((commit >= 0) & (commit < passes - 1)).sum(1)
+    assert (placed_before_fill >= 4).all(), "a row stops once int(0.5 * 8) tokens are in place"
+
+
+def test_d1_advantages_are_the_reward_minus_the_group_mean():
+    A = estimators.d1_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5]), 3)
+    assert torch.allclose(A, torch.tensor([2 / 3, -1 / 3, -1 / 3, -1 / 3, 1 / 6, 1 / 6]))
+
+
+@pytest.fixture(scope="module")
+def shared_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("field")
+
+
+@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--d1-advantages"]), ("stp", ["--stp-tau", "0.5"]),
+                                              ("dtrpo", [])])
+def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
+    tmp_path = shared_out                                                  # one SFT model for the three runs
+    history = bgpo.main(tiny_argv(tmp_path, "--objective", objective, *extra))
+    assert [h["step"] for h in history] == [0, 1, 2]
+    run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
+    records = bgpo.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    passes = [r["rollout_passes"] for r in records[1:]]
+    assert passes == ([3, 3] if objective == "stp" else [4, 4]), "STP: 2 of 4 tokens, then one pass fills the rest"
