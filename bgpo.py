@@ -610,6 +610,16 @@ def read_log(path):
     return [json.loads(line) for line in open(path)]
 
 
+def mean_of_runs(logs):
+    """Several runs' records (seeds) -> one: at each step, the mean reward and accuracy of the runs."""
+    if len(logs) == 1:
+        return logs[0]
+    steps = sorted({r["step"] for records in logs for r in records})
+    at = [{r["step"]: r for r in records} for records in logs]
+    return [{"step": s, **{k: statistics.mean(run[s][k] for run in at) for k in ("reward", "accuracy")
+                           if all(k in run.get(s, {}) for run in at)}} for s in steps]
+
+
 def smooth(ys, window=10):
     return [sum(ys[max(0, i - window + 1):i + 1]) / min(i + 1, window) for i in range(len(ys))]
 
@@ -683,7 +693,7 @@ def bench_memory(args, task):
     A = A.to(args.device)
     cuda = args.device == "cuda"
     commit = torch.rand(B, task.gen_len, generator=g).argsort(1).argsort(1).to(args.device)  # an order, for dtrpo
-    from estimators import FIELD, field_rollout
+    from estimators import FIELD, every_objective_table, field_rollout
 
     def measure(objective, n_t, mc_chunk=1):
         step_args = argparse.Namespace(**{**vars(args), "objective": objective, "mc_chunk": mc_chunk,
@@ -733,15 +743,7 @@ def bench_memory(args, task):
         if chunk <= n_t:
             mb, s, cuda_mb = measure("bgpo", n_t, chunk)
             print(f"{chunk:>8} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
-    print("\nEvery objective, one update on the same batch: which grow with their sample count (estimators.py)")
-    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
-    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)), ("naive", "n_t masked copies", (1, 16)),
-                                    ("stp", "num_t masked copies", (1, 3, 16)), ("diffu-grpo", "1 prompt mask", (1,)),
-                                    ("dtrpo", "1 step per block", (1,)), ("trajectory", f"all {task.gen_len} steps", (1,))):
-        for n in counts:
-            mb, s, cuda_mb = measure(objective, n)
-            label = what if len(counts) == 1 else f"{n} {what}"
-            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+    every_objective_table(measure, task.gen_len, cuda)
     if args.plot:
         os.makedirs(args.out_dir, exist_ok=True)
         draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
@@ -825,7 +827,7 @@ def parse_args(argv=None):
     p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_random]_uK[_poolN]_seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
     p.add_argument("--plot", action="store_true", help="draw the run's curves (or the benchmark's figure) as a PNG, if matplotlib is installed (default: %(default)s)")
-    p.add_argument("--compare", nargs="+", metavar="RUN", default=None, help="draw the curves of these RL runs (folders in --out-dir) in one figure, compare.png, then exit (default: %(default)s)")
+    p.add_argument("--compare", nargs="+", metavar="RUN", default=None, help="draw the curves of these RL runs (folders in --out-dir) in one figure, compare.png, then exit; LABEL=RUN,RUN,... draws their mean as one line (default: %(default)s)")
     # sampler
     p.add_argument("--gen-steps", type=positive_int, default=None, help="denoising steps per completion (default: L, one token per step)")
     p.add_argument("--block-len", type=positive_int, default=None, help="semi-autoregressive block length (default: L, one block)")
@@ -835,16 +837,15 @@ def parse_args(argv=None):
         p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
     L = get_task(args.task).gen_len
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
-    field = args.objective in ("diffu-grpo", "stp", "dtrpo")
-    if args.stp_tau is not None and (args.objective != "stp" or not 0 < args.stp_tau <= 1):
-        p.error(f"--stp-tau is STP's early stop, in (0, 1], for --objective stp; got {args.stp_tau} with {args.objective}")
-    for flag, on, objective in (("--d1-advantages", args.d1_advantages, "diffu-grpo"), ("--no-anchors", args.no_anchors, "stp")):
-        if on and args.objective != objective:
+    for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"), ("--no-anchors", args.no_anchors, "stp"),
+                                   ("--d1-advantages", args.d1_advantages, "diffu-grpo"), ("--mc-chunk", args.mc_chunk > 1, "bgpo")):
+        if given and args.objective != objective:
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
-    if args.mc_chunk > 1 and args.objective != "bgpo":
-        p.error(f"--mc-chunk is BGPO's (one backward per chunk of MC samples), not an option of --objective {args.objective}")
+    if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
+        p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
     args.stp_tau = args.stp_tau or (0.75 if args.objective == "stp" else None)
     args.mc_samples = args.mc_samples or (3 if args.objective == "stp" else 16)
+    field = args.objective in ("diffu-grpo", "stp", "dtrpo")  # d1 and STP: mu = 4 inner updates by default
     args.updates_per_batch = (4 if field else 1) if args.updates_per_batch is None else args.updates_per_batch
     args.clip_eps = args.clip_eps or (0.5 if args.objective == "diffu-grpo" else 0.2)
     pool_tag = f"_pool{args.rl_pool}" if args.rl_pool else ""
@@ -874,7 +875,10 @@ def parse_args(argv=None):
         p.error(f"--gen-steps must be at least the number of blocks, {math.ceil(L / (args.block_len or L))}")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
-    missing = [r for r in args.compare or [] if not os.path.isfile(os.path.join(args.out_dir, r, "log.jsonl"))]
+    if args.compare:  # {label: "RUN,RUN,..."}; a bare RUN is its own label
+        args.compare = dict(s.split("=", 1) if "=" in s else (s, s) for s in args.compare)
+    missing = [r for runs in (args.compare or {}).values() for r in runs.split(",")
+               if not os.path.isfile(os.path.join(args.out_dir, r, "log.jsonl"))]
     if missing:
         p.error(f"--compare: no log.jsonl in {os.path.join(args.out_dir, missing[0])}")
     if args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")):
@@ -897,7 +901,8 @@ def main(argv=None):
     if args.bench_memory:
         return bench_memory(args, task)
     if args.compare:
-        runs = {run: read_log(os.path.join(args.out_dir, run, "log.jsonl")) for run in args.compare}
+        runs = {label: mean_of_runs([read_log(os.path.join(args.out_dir, r, "log.jsonl")) for r in runs.split(",")])
+                for label, runs in args.compare.items()}
         return draw(curves_figure(runs), os.path.join(args.out_dir, "compare.png"))
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
     reuse = args.stage == "all" or args.bench_estimators or args.dtrpo_offline
@@ -920,9 +925,8 @@ def main(argv=None):
     print(f"\n{'':>22} {'accuracy':>9} {'reward':>7}")
     print(f"{'SFT model':>22} {first['accuracy']:>9.1%} {first['reward']:>7.3f}")
     print(f"{'after ' + str(last['step']) + ' RL steps':>22} {last['accuracy']:>9.1%} {last['reward']:>7.3f}")
-    how = f"n_t = {args.mc_samples}, " if args.objective in ("bgpo", "naive", "stp") else ""
-    print(f"({args.objective}, {how}{args.remasking} remasking, {args.updates_per_batch} update(s) per rollout batch, "
-          f"{time.time() - t0:.0f} s on {args.device})")
+    how = f"n_t = {args.mc_samples}" if args.objective in ("bgpo", "naive", "stp") else f"{args.remasking} remasking"
+    print(f"({args.objective}, {how}, {args.updates_per_batch} update(s) per batch, {time.time() - t0:.0f} s on {args.device})")
     run_dir = os.path.join(args.out_dir, args.run_name)
     written = [sft_path(args)] + [os.path.join(run_dir, f) for f in ("ckpt.pt", "log.jsonl", "curves.png")]
     print("files: " + ", ".join(f for f in written if os.path.isfile(f)))

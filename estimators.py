@@ -830,6 +830,20 @@ def field_loss(model, objective, x, y, rollout, advantages, j, clip_eps=None, bl
     return dtrpo_loss(model, x, y, rollout["commit_steps"], rollout["steps"][:, j], old, advantages, clip_eps, block_len)
 
 
+def every_objective_table(measure, L, cuda):
+    """--bench-memory's second table: one update of every objective on the same batch, at its sample
+    count; measure(objective, n) -> (activation MB, seconds, CUDA MB) is bench_memory's."""
+    print("\nEvery objective, one update on the same batch: which grow with their sample count")
+    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
+    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)), ("naive", "n_t masked copies", (1, 16)),
+                                    ("stp", "num_t masked copies", (1, 3, 16)), ("diffu-grpo", "1 prompt mask", (1,)),
+                                    ("dtrpo", "1 step per block", (1,)), ("trajectory", f"all {L} steps", (1,))):
+        for n in counts:
+            mb, s, cuda_mb = measure(objective, n)
+            label = what if len(counts) == 1 else f"{n} {what}"
+            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+
+
 def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1, lr=5e-5):
     """dTRPO as published, in small (python bgpo.py --dtrpo-offline): the SFT model samples G
     completions of n_prompts training problems, recording their commit steps; each group gives

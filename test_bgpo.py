@@ -761,8 +761,18 @@ def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys
     bgpo.main(tiny_argv(tmp_path, "--compare", "arithmetic_bgpo_nt4_u1_seed0"))
     assert "compare.png" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
+        bgpo.main(tiny_argv(tmp_path, "--compare", "mean=arithmetic_bgpo_nt4_u1_seed0,no_such_run"))
+    assert e.value.code == 2 and "no_such_run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         bgpo.main(tiny_argv(tmp_path, "--compare", "no_such_run"))
     assert e.value.code == 2 and "--compare: no log.jsonl" in capsys.readouterr().err
+
+
+def test_mean_of_runs_averages_each_step_over_the_runs_that_have_it():
+    a = [{"step": 0, "accuracy": 0.2}, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.1, "accuracy": 0.4}]
+    b = [{"step": 0, "accuracy": 0.4}, {"step": 1, "reward": 0.3}, {"step": 2, "reward": 0.3}]
+    assert bgpo.mean_of_runs([a, b]) == [{"step": 0, "accuracy": pytest.approx(0.3)}, {"step": 1, "reward": pytest.approx(0.4)},
+                                         {"step": 2, "reward": pytest.approx(0.2)}]
 
 
 def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
@@ -814,11 +824,11 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--rl-warmup", "-3"], "integer >= 0"),
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
     (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
-    (["--stp-tau", "0.5"], "for --objective stp; got 0.5 with bgpo"),
-    (["--objective", "stp", "--stp-tau", "0"], "in (0, 1]"),
+    (["--stp-tau", "0.5"], "--stp-tau is an option of --objective stp, not bgpo"),
+    (["--objective", "stp", "--stp-tau", "0"], "--stp-tau must be in (0, 1]"),
     (["--d1-advantages"], "--d1-advantages is an option of --objective diffu-grpo"),
     (["--objective", "dtrpo", "--no-anchors"], "--no-anchors is an option of --objective stp"),
-    (["--objective", "diffu-grpo", "--mc-chunk", "2"], "--mc-chunk is BGPO's"),
+    (["--objective", "diffu-grpo", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
