@@ -17,7 +17,9 @@ by enumerating its randomness (mask sets, steps, prompt masks) with their probab
 
 Read in this order: 1. the estimators, 2. their exact moments, 3. the lab
 (`python bgpo.py --bench-estimators`), which prints a likelihood table, the Fig. 3 gradient table,
-and the signal-to-noise of the RL gradient.
+and the signal-to-noise of the RL gradient, 4. the three methods as RL objectives
+(`python bgpo.py --objective diffu-grpo | stp | dtrpo`, and dTRPO's own offline DPO,
+`--dtrpo-offline`); each loss's docstring lists where it departs from its paper.
 
 Where the toy versions depart from their papers:
 1. DiffuCoder draws one mask ratio t for the whole batch; here each sequence draws its own, so
@@ -32,7 +34,7 @@ Where the toy versions depart from their papers:
 4. STP: the count-form ELBO restricted to the free positions (weight F/k), not the STP code's
    unweighted per-token mean over masked copies; the anchors are Sudoku's given cells, not the
    highest-confidence tokens of an offline LLaDA completion. Temporal pruning (early stop) changes
-   rollouts, not the estimator; it is not here.
+   rollouts, not the estimator: it is generate's early_stop (tiny_dllm.py).
 
 Shapes: B batch, L completion length, P prompt length, K sampler steps, N enumerated sets.
 """
@@ -872,9 +874,17 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
         return [float((trajectory_log_likelihood(model, x[i], y[i], commit[i]) -
                        trajectory_log_likelihood(reference, x[i], y[i], commit[i])).mean()) for i in (win, lose)]
 
-    result = {"pairs": len(win), "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]]}
+    with torch.no_grad():  # what one step per block sees of the margin log p(w) - log p(l), against all steps
+        exact = trajectory_log_likelihood(model, x[win], y[win], commit[win]) - \
+            trajectory_log_likelihood(model, x[lose], y[lose], commit[lose])
+        one = dtrpo_log_likelihood(model, x[win], y[win], commit[win], args.block_len, g) - \
+            dtrpo_log_likelihood(model, x[lose], y[lose], commit[lose], args.block_len, g)
+    result = {"pairs": len(win), "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]],
+              "margin": exact.mean().item(), "margin_sd": exact.std().item(), "estimate_sd": (one - exact).std().item()}
     print(f"{len(win)} pairs from {n_prompts} prompts x G = {args.group_size} (solved share {solved.float().mean():.3f});"
           f" held-out accuracy of the SFT model {result['accuracy'][0]:.1%}")
+    print(f"log-likelihood margin of the pairs, solved - unsolved (all steps): mean {result['margin']:+.2f}, sd"
+          f" {result['margin_sd']:.2f} nats; one step per block misses it by {result['estimate_sd']:.2f} nats (sd)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for epoch in range(epochs):
