@@ -768,14 +768,14 @@ def dtrpo_dpo_loss(model, reference, prompts, win, win_steps, lose, lose_steps, 
     steps: None to draw, or the (win, lose) steps (B, nb) each."""
     if not beta > 0:
         raise ValueError(f"beta: expected a positive number, got {beta!r}")
-    margins = []
+    log_ratios = []
     for y, commit, t in ((win, win_steps, None if steps is None else steps[0]),
                          (lose, lose_steps, None if steps is None else steps[1])):
         t = draw_block_steps(commit, block_len, generator) if t is None else t
         with torch.no_grad():
             ref = dtrpo_log_likelihood(reference, prompts, y, commit, block_len, steps=t)
-        margins.append(dtrpo_log_likelihood(model, prompts, y, commit, block_len, steps=t) - ref)
-    return -torch.nn.functional.logsigmoid(beta * (margins[0] - margins[1])).mean()
+        log_ratios.append(dtrpo_log_likelihood(model, prompts, y, commit, block_len, steps=t) - ref)
+    return -torch.nn.functional.logsigmoid(beta * (log_ratios[0] - log_ratios[1])).mean()
 
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")
