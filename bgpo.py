@@ -12,13 +12,15 @@ Diffusion Large Language Models", arXiv 2510.11683. Read in this order:
 3. Measuring activation memory: ActivationMemory.
 4. The pipeline: SFT (the negative ELBO), the RL loop (sample, reward, advantage, update),
    evaluation, checkpoints, figures, the memory benchmark and the command line.
-The other methods of the field and the estimator lab are the next chapter, estimators.py.
+The other methods of the field, the estimator lab and the field's RL objectives (--objective
+diffu-grpo, stp, dtrpo) are the next chapter, estimators.py.
 
 Simplifications versus the paper and its official code:
 1. A 0.6M-parameter model trained from scratch on toy tasks instead of LLaDA-8B-Instruct.
 2. The log-ratio d_j is divided by the completion length L (as the official code does; the paper
    text does not); on-policy this only rescales the gradient, off-policy it keeps ratios near 1.
-3. No KL term and one update per rollout batch by default, as in the paper's main runs.
+3. No KL term and one update per rollout batch by default, as in the paper's main runs (the
+   field's objectives default to d1's and STP's mu = 4 updates).
 4. Group advantages use the unbiased (n-1) standard deviation, torch.std's default (as in TRL's
    GRPO trainer), and a group whose rewards are all equal gets exactly 0.
 
