@@ -826,7 +826,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps (default: %(default)s)")
     p.add_argument("--eval-size", type=positive_int, default=500, help="held-out problems (default: %(default)s)")
     p.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
-    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_random]_uK[_poolN]_seedS)")
+    p.add_argument("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
     p.add_argument("--plot", action="store_true", help="draw the run's curves (or the benchmark's figure) as a PNG, if matplotlib is installed (default: %(default)s)")
     p.add_argument("--compare", nargs="+", metavar="RUN", default=None, help="draw the curves of these RL runs (folders in --out-dir) in one figure, compare.png, then exit; LABEL=RUN,RUN,... draws their mean as one line (default: %(default)s)")
