@@ -829,7 +829,10 @@ def field_loss(model, objective, x, y, rollout, advantages, j, clip_eps=None, bl
         return diffu_grpo_loss(model, x, y, rollout["prompt_mask"][:, j], old, advantages, clip_eps)
     if objective == "stp":
         return stp_loss(model, x, y, rollout["mc"][j], old, advantages, clip_eps)
-    return dtrpo_loss(model, x, y, rollout["commit_steps"], rollout["steps"][:, j], old, advantages, clip_eps, block_len)
+    if objective == "dtrpo":
+        return dtrpo_loss(model, x, y, rollout["commit_steps"], rollout["steps"][:, j], old, advantages, clip_eps,
+                          block_len)
+    raise ValueError(f"objective: expected one of {FIELD}, got {objective!r}")
 
 
 def every_objective_table(measure, L, cuda):
