@@ -240,14 +240,20 @@ def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_e
     return total
 
 
-def group_advantages(rewards, group_size):
-    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18), for rewards laid out as
-    consecutive groups of group_size completions of the same prompt. Equal rewards give A = 0."""
+def reward_groups(rewards, group_size):
+    """(B,) rewards laid out as consecutive groups of group_size completions of the same prompt ->
+    (B / group_size, group_size), after checking that they are."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected (B,), got shape {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 2 or rewards.shape[0] % group_size:
         raise ValueError(f"group_size: must be an int >= 2 dividing {rewards.shape[0]}, got {group_size!r}")
-    r = rewards.view(-1, group_size)
+    return rewards.view(-1, group_size)
+
+
+def group_advantages(rewards, group_size):
+    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18), for rewards laid out as
+    consecutive groups of group_size completions of the same prompt. Equal rewards give A = 0."""
+    r = reward_groups(rewards, group_size)
     A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)
     # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would blow that up
     tie = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)
@@ -700,9 +706,10 @@ def bench_memory(args, task):
     def measure(objective, n_t, mc_chunk=1):
         step_args = argparse.Namespace(**{**vars(args), "objective": objective, "mc_chunk": mc_chunk,
                                           "updates_per_batch": 1, "block_len": None})
-        if objective in FIELD + ("trajectory",):
-            rollout = field_rollout(model, objective, x, y, commit, 1, g, num_t=n_t) if objective in FIELD \
-                else {"commit_steps": commit}
+        if objective in FIELD:
+            rollout = field_rollout(model, objective, x, y, commit, 1, g, num_t=n_t)
+        elif objective == "trajectory":
+            rollout = {"commit_steps": commit}
         else:
             mc = draw_mc_samples(B, task.gen_len, n_t, g).to(args.device)
             with torch.no_grad():

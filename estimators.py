@@ -50,7 +50,7 @@ import torch
 
 from bgpo import (ActivationMemory, MCSamples, RunError, _ppo, bgpo_backward, draw, draw_mc_samples, elbo_from_table,
                   elbo_terms, encode, evaluate, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table,
-                  subset_masks)
+                  reward_groups, subset_masks)
 from tiny_dllm import generate, mask_by_count, masked_log_likelihood
 
 # -----------------------------------------------------------------------------
@@ -783,8 +783,7 @@ FIELD = ("diffu-grpo", "stp", "dtrpo")
 
 def d1_advantages(rewards, group_size):
     """d1's advantage: the reward minus its group's mean, not divided by the group's std."""
-    group_advantages(rewards, group_size)                                            # the same checks of the arguments
-    r = rewards.view(-1, group_size)
+    r = reward_groups(rewards, group_size)
     return (r - r.mean(1, keepdim=True)).flatten()
 
 
