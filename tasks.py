@@ -32,7 +32,6 @@ import torch
 PAD, MASK, EOS = "<pad>", "<mask>", "<eos>"
 CHARS = "0123456789+-*/()=,:|."
 
-
 class Tokenizer:
     """Character tokenizer. PAD fills short prompts (left), MASK is the diffusion noise token,
     EOS ends an answer and fills the rest of the completion (LLaDA's convention)."""
@@ -77,14 +76,12 @@ class Tokenizer:
             rows.append(fill + ids if pad_side == "left" else ids + fill)
         return torch.tensor(rows, dtype=torch.long)
 
-
 TOKENIZER = Tokenizer()
 
 # -----------------------------------------------------------------------------
 # Shared helpers: seeded sampling, split by hash, safe parsing of untrusted text.
 
 MAX_TEXT = 64  # rewards look at no more than this many characters of model output
-
 
 def _rng(generator_or_seed):
     """A Python RNG from an int seed or a torch.Generator (whose state then advances by one draw)."""
@@ -96,11 +93,9 @@ def _rng(generator_or_seed):
         raise ValueError(f"generator_or_seed: expected an int or torch.Generator, got {type(generator_or_seed).__name__}")
     return random.Random(seed)
 
-
 def _split_of(key, test_percent):
     """Deterministic split: a problem is in 'test' iff the hash of its key falls in the first bucket."""
     return "test" if zlib.crc32(key.encode()) % 100 < test_percent else "train"
-
 
 def _check_sample_args(n, split):
     if not isinstance(n, int) or n < 1:
@@ -108,17 +103,14 @@ def _check_sample_args(n, split):
     if split not in ("train", "test"):
         raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
 
-
 def _answer_text(completion):
     """The part of a completion a reward reads: up to the first '$' (decoded EOS), capped in length."""
     if not isinstance(completion, str):
         return ""
     return completion[:MAX_TEXT].split("$")[0]
 
-
 class ParseError(Exception):
     pass
-
 
 def parse_expression(text, max_len=32, max_abs=10**6):
     """Exact value and numbers of an arithmetic expression over + - * / ( ) and non-negative
@@ -179,7 +171,6 @@ def parse_expression(text, max_len=32, max_abs=10**6):
         raise ParseError("trailing text")
     return (None if undefined else value), numbers
 
-
 class Task:
     """What every task shares: the tokenizer and its encode/decode. Each task also says when an
     answer is well-formed, right or wrong (valid): the RL log tracks that share, because a policy
@@ -192,15 +183,14 @@ class Task:
     def decode(self, ids, stop_at_eos=True):
         return self.tokenizer.decode(ids, stop_at_eos)
 
-
 # -----------------------------------------------------------------------------
 # Task 1: multi-digit addition.
 
 @dataclass
 class Arithmetic(Task):
     """a + b with 3-digit operands. The sum is written most-significant digit first, as people
-    write it; DESIGN.md sec. 6 found the digit order does not matter once the ELBO is estimated
-    with the low-variance count form."""
+    write it; the digit order made no difference once the ELBO was estimated with the
+    low-variance count form."""
     digits: int = 3
     name: str = "arithmetic"
     test_percent: int = 10
@@ -231,12 +221,10 @@ class Arithmetic(Task):
         """A number: digits only."""
         return _answer_text(completion).isdigit()
 
-
 # -----------------------------------------------------------------------------
 # Task 2: Countdown with three numbers.
 
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-
 
 def _countdown_expression(rng, numbers):
     """A random expression using each number once, with the fewest parentheses, and its value
@@ -254,7 +242,6 @@ def _countdown_expression(rng, numbers):
     value = None if inner is None else apply[op1](Fraction(a), inner)
     needs = _PREC[op2] < _PREC[op1] or (op1 in "-/" and _PREC[op1] == _PREC[op2])
     return f"{a}{op1}" + (f"({b}{op2}{c})" if needs else f"{b}{op2}{c}"), value
-
 
 @dataclass
 class Countdown(Task):
@@ -310,7 +297,6 @@ class Countdown(Task):
         read = self._read(prompt, completion)
         return read is not None and sorted(read[3]) == read[0]
 
-
 # -----------------------------------------------------------------------------
 # Task 3: 4x4 Sudoku.
 
@@ -325,11 +311,9 @@ def _all_sudoku_grids():
             grids.append("".join("".join(r) for r in rows))
     return grids
 
-
 SUDOKU_GRIDS = _all_sudoku_grids()
 # bit n of _HAS[i, d] is set when grid n has digit d at cell i: matching a puzzle is a few ANDs
 _HAS = {(i, d): sum(1 << n for n, g in enumerate(SUDOKU_GRIDS) if g[i] == d) for i in range(16) for d in "1234"}
-
 
 def _sudoku_solutions(cells):
     """The valid grids that agree with the given cells ('.' = blank; only the first 16 are read)."""
@@ -338,7 +322,6 @@ def _sudoku_solutions(cells):
         if c != ".":
             match &= _HAS.get((i, c), 0)
     return [g for n, g in enumerate(SUDOKU_GRIDS) if match >> n & 1]
-
 
 @dataclass
 class Sudoku(Task):
@@ -386,11 +369,9 @@ class Sudoku(Task):
         return (len(answer) == 16 == len(cells) and set(answer) <= set("1234")
                 and all(c in (".", a) for c, a in zip(cells, answer)))
 
-
 # -----------------------------------------------------------------------------
 
 TASKS = {"arithmetic": Arithmetic, "countdown": Countdown, "sudoku": Sudoku}
-
 
 def get_task(name):
     if name not in TASKS:

@@ -1,0 +1,65 @@
+"""
+The activation memory and time of one update of every RL objective, on the same batch: which grow
+with their sample count. bgpo.py --bench-memory has BGPO against the naive objective (the paper's
+Fig. 1); this adds the field's objectives of lab/objectives.py and, with --plot, draws Fig. 1.
+
+    python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag]
+"""
+import os
+import sys
+
+import torch
+
+import bgpo
+from bgpo import RunError, bench_batch, draw, make_model, measure_update
+from lab.objectives import OBJECTIVES
+
+def memory_figure(rows):
+    """The paper's Fig. 1 in small: bgpo.bench_memory's rows -> activation memory of one update and
+    the step-time ratio against n_t (and the CUDA allocator's peak, when measured)."""
+    n = [r["n_t"] for r in rows]
+    memory = [{"label": name, "x": n, "y": [r[key] for r in rows], "style": "o-"}
+              for name, key in (("naive", "naive_mb"), ("BGPO", "bgpo_mb"), ("naive, CUDA allocator", "naive_cuda_mb"),
+                                ("BGPO, CUDA allocator", "bgpo_cuda_mb")) if key in rows[0]]
+    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo_s"] / r["naive_s"] for r in rows], "style": "o-"}]
+    return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
+                        "yscale": "log", "lines": memory},
+                       {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log", "lines": ratio}]}
+
+def every_objective_table(args, task):
+    """One update of every objective on bgpo.bench_batch's batch, at its sample counts."""
+    torch.manual_seed(args.seed)
+    model = make_model(task, args).to(args.device)
+    optimizer, (batch, A, g), cuda = torch.optim.AdamW(model.parameters(), lr=1e-6), bench_batch(task, args), args.device == "cuda"
+    print("\nEvery objective, one update on the same batch: which grow with their sample count")
+    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
+    rows = []
+    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)), ("naive", "n_t masked copies", (1, 16)),
+                                    ("stp", "num_t masked copies", (1, 3, 16)), ("diffu-grpo", "1 prompt mask", (1,)),
+                                    ("dtrpo", "1 step per block", (1,)), ("trajectory", f"all {task.gen_len} steps", (1,))):
+        for n in counts:
+            mb, s, cuda_mb = measure_update(model, optimizer, OBJECTIVES[objective], batch, A, args, g, mc_samples=n)
+            label = what if len(counts) == 1 else f"{n} {what}"
+            rows.append({"objective": objective, "samples": n, "act_mb": mb, "s": s})
+            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+    return rows
+
+def main(argv=None):
+    p = bgpo.make_parser("python -m lab.bench_memory", "Activation memory and time of one update of every RL objective.")
+    p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it (the paper's "
+                   "Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed (default: %(default)s)")
+    args = bgpo.check_args(p, p.parse_args(argv))
+    args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None   # the lab objectives' options, off
+    task = bgpo.get_task(args.task)
+    if args.plot:
+        rows = bgpo.bench_memory(args, task)
+        os.makedirs(args.out_dir, exist_ok=True)
+        draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
+    return every_objective_table(args, task)
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RunError as e:
+        print(f"lab.bench_memory: error: {e}", file=sys.stderr)
+        sys.exit(2)

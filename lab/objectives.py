@@ -1,0 +1,187 @@
+"""
+The field's RL objectives for dLLMs, as values of bgpo.Objective that bgpo.run_rl takes in place of
+BGPO's: d1's diffu-GRPO, STP, dTRPO, and the control, REINFORCE on the sampler's own trajectory.
+Run them with python -m lab.rl --objective diffu-grpo | stp | dtrpo | trajectory.
+
+Each method fixes its randomness once per rollout batch (the Objective's prepare), one draw per
+inner update (a prompt mask, n masked copies, one step per block), and computes the rollout
+policy's values on those draws; inner update j then compares the current policy with the old one
+on draw j, as d1 does with its mask seeds. On-policy every loss has the gradient of
+-mean_b A_b X_b / L, with X the method's estimate of log pi(y_b | x): BGPO's, with the ELBO in place
+of X. Each loss's docstring lists where it departs from its paper; none has a KL term.
+"""
+import torch
+
+from bgpo import MCSamples, Objective, OBJECTIVES as TUTORIAL_OBJECTIVES, clip_of, ppo_clip, reward_groups
+from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
+                            one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors)
+from tiny_dllm import masked_log_likelihood
+
+PROMPT_MASK_PROB = 0.15  # d1's probability of masking each prompt token
+
+# -----------------------------------------------------------------------------
+# The losses of one inner update
+
+def token_grpo_loss(logp, old_logp, advantages, clip_eps=None):
+    """d1's per-token GRPO: -(1/BL) sum_{b,i} min(rho_bi A_b, clip(rho_bi, 1 - eps, 1 + eps) A_b), with
+    rho_bi = exp(logp_bi - old_logp_bi); logp, old_logp (B, L), advantages (B,); clip_eps None: no clip."""
+    if logp.dim() != 2 or tuple(old_logp.shape) != tuple(logp.shape):
+        raise ValueError(f"old_logp: expected {tuple(logp.shape)}, got {tuple(old_logp.shape)}")
+    if tuple(advantages.shape) != (logp.shape[0],):
+        raise ValueError(f"advantages: expected ({logp.shape[0]},), got {tuple(advantages.shape)}")
+    return -ppo_clip((logp - old_logp).exp(), advantages.to(logp)[:, None], clip_eps).mean()
+
+def diffu_grpo_loss(model, prompts, completions, prompt_mask, old_logp, advantages, clip_eps=0.5):
+    """d1's diffu-GRPO (Zhao et al. 2025), one inner update: token_grpo_loss on the one-step mean-field
+    estimate of each token, log p(y^i | x~, completion all MASK), where x~ is the prompt masked at
+    prompt_mask (B, P) bool, the same mask for the old and the current policy. old_logp (B, L).
+    Departures from d1: 1. group_advantages (z-scored) by default; d1 divides by nothing
+    (d1_advantages, python -m lab.rl --d1-advantages, restores it). 2. No KL term (d1: beta 0.04). 3. mu = 4 inner
+    updates by default (d1: 12). 4. Every completion position counts (d1 stops at the first EOS)."""
+    if tuple(prompt_mask.shape) != tuple(prompts.shape):
+        raise ValueError(f"prompt_mask: expected {tuple(prompts.shape)}, got {tuple(prompt_mask.shape)}")
+    x = prompts.masked_fill(prompt_mask.to(prompts.device), model.config.mask_id)
+    logp = one_step_log_likelihood(model, x, completions, per_token=True)
+    return token_grpo_loss(logp, old_logp, advantages, clip_eps)
+
+def stp_loss(model, prompts, completions, mc, old_logp, advantages, clip_eps=0.2):
+    """STP (Liu et al. 2026), one inner update: token_grpo_loss on stp_token_log_likelihood, the per-
+    token split of the anchored ELBO over mc's n copies (draw_anchored_masks: anchors never masked).
+    The rollouts come from generate(..., prior=, early_stop=): anchors pre-filled, early stop.
+    Departures from STP: 1. per-token terms weighted F/k and from masked positions only (STP's code:
+    an unweighted mean over copies, visible positions included). 2. Anchors are Sudoku's given cells,
+    not the most confident tokens of an offline LLaDA completion; Countdown and arithmetic have none,
+    so there STP is temporal pruning only. 3. The early stop counts tokens in place, tau = 0.75 by
+    default (STP: 0.95 of 256 tokens; 0.95 of 10 tokens would be the last token only). 4. No KL
+    term (STP: beta 0.04). 5. group_advantages, not STP's (r - mean) / (std + 1e-4)."""
+    return token_grpo_loss(stp_token_log_likelihood(model, prompts, completions, mc), old_logp, advantages, clip_eps)
+
+def dtrpo_loss(model, prompts, completions, commit_steps, steps, old_value, advantages, clip_eps=0.2,
+               block_len=None):
+    """dTRPO online, one inner update: the trajectory's log-ratio estimated with one step per block,
+    R = dtrpo_log_likelihood(..., steps) (B,), and the sequence ratio rho_b = exp((R_b - R_old_b) / L),
+    PPO-clipped: -mean_b min(rho_b A_b, clip(rho_b) A_b), the naive objective with the trajectory in
+    place of the ELBO. Departures from dTRPO: 1. the paper's objective is offline DPO against a frozen
+    reference (dtrpo_dpo_loss); this is its estimator inside our GRPO loop. 2. The ratio is divided by
+    L, as our naive objective's is. 3. One row per block with full attention, not block attention."""
+    if tuple(old_value.shape) != (completions.shape[0],):
+        raise ValueError(f"old_value: expected ({completions.shape[0]},), got {tuple(old_value.shape)}")
+    value = dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len, steps=steps)
+    ratio = ((value - old_value) / completions.shape[1]).exp()
+    return -ppo_clip(ratio, advantages.to(ratio), clip_eps).mean()
+
+def dtrpo_dpo_loss(model, reference, prompts, win, win_steps, lose, lose_steps, beta=0.1, block_len=None,
+                   steps=None, generator=None):
+    """dTRPO as published: DPO on trajectories (offline). For a preferred completion (win, with its
+    commit steps) and a dispreferred one of the same prompt, each log-ratio against the frozen
+    reference is estimated with one step per block, the same drawn steps for both models:
+        L = -mean log sigmoid(beta [(R_theta(w) - R_ref(w)) - (R_theta(l) - R_ref(l))]).
+    steps: None to draw, or the (win, lose) steps (B, nb) each."""
+    if not beta > 0:
+        raise ValueError(f"beta: expected a positive number, got {beta!r}")
+    log_ratios = []
+    for y, commit, t in ((win, win_steps, None if steps is None else steps[0]),
+                         (lose, lose_steps, None if steps is None else steps[1])):
+        t = draw_block_steps(commit, block_len, generator) if t is None else t
+        with torch.no_grad():
+            ref = dtrpo_log_likelihood(reference, prompts, y, commit, block_len, steps=t)
+        log_ratios.append(dtrpo_log_likelihood(model, prompts, y, commit, block_len, steps=t) - ref)
+    return -torch.nn.functional.logsigmoid(beta * (log_ratios[0] - log_ratios[1])).mean()
+
+def trajectory_backward(model, prompts, completions, commit_steps, advantages):
+    """The RL objective on the sampler's own trajectory, -mean_b A_b T(y_b) / L, backpropagated one
+    sampler step at a time. T is a sum over steps, so, as in bgpo_backward, the steps' gradients add
+    up to the full gradient while only one step's activations are alive. It is on-policy REINFORCE
+    (one update per rollout batch): for rollouts at temperature 1 with random remasking, the exact
+    policy gradient of the sampler; with low-confidence remasking, the committed tokens' part of it.
+    Its gradient is that of BGPO's bound on-policy, with the sampler's steps in place of the ELBO's masks.
+    Returns the loss."""
+    check_commit_steps(prompts, completions, commit_steps)
+    if tuple(advantages.shape) != (completions.shape[0],):
+        raise ValueError(f"advantages: expected ({completions.shape[0]},), got shape {tuple(advantages.shape)}")
+    L, total = completions.shape[1], 0.0
+    for s in range(int(commit_steps.max()) + 1):
+        logp = masked_log_likelihood(model, prompts, completions, commit_steps >= s, per_token=True)
+        loss = -(advantages.to(logp) * (logp * (commit_steps == s)).sum(1)).mean() / L
+        loss.backward()
+        total += loss.item()
+    return total
+
+# -----------------------------------------------------------------------------
+# The objectives: what each fixes once per rollout batch, and its inner update j
+
+@torch.no_grad()
+def diffu_grpo_draws(model, batch, args, generator):
+    """d1: a prompt mask per inner update, and the rollout policy's per-token one-step terms under it."""
+    x, y, mu = batch.x, batch.y, args.updates_per_batch
+    hide = (torch.rand(x.shape[0], mu, x.shape[1], generator=generator) < PROMPT_MASK_PROB).to(x.device)
+    old = [one_step_log_likelihood(model, x.masked_fill(hide[:, j], model.config.mask_id), y, per_token=True)
+           for j in range(mu)]
+    return {"prompt_mask": hide, "old": torch.stack(old, 1)}                     # (B, mu, P), (B, mu, L)
+
+def diffu_grpo_update(model, batch, state, A, args, inner):
+    loss = diffu_grpo_loss(model, batch.x, batch.y, state["prompt_mask"][:, inner], state["old"][:, inner], A,
+                           clip_of(args))
+    loss.backward()
+    return loss.item()
+
+@torch.no_grad()
+def stp_draws(model, batch, args, generator):
+    """STP: --mc-samples (num_t) anchored masked copies per inner update, and the rollout policy's
+    per-token terms on them. The anchors are Sudoku's given cells (args.anchors), else none."""
+    (B, L), mu, n = batch.y.shape, args.updates_per_batch, args.mc_samples
+    anchors = sudoku_anchors(batch.prompts) if args.anchors else torch.zeros(B, L, dtype=torch.bool)
+    mc = draw_anchored_masks(anchors, mu * n, generator)
+    mc = MCSamples(mc.mask.view(B, mu, n, L), mc.weight.view(B, mu, n)).to(batch.x.device)
+    return {"mc": mc, "old": torch.stack([stp_token_log_likelihood(model, batch.x, batch.y, mc[j]) for j in range(mu)], 1)}
+
+def stp_update(model, batch, state, A, args, inner):
+    loss = stp_loss(model, batch.x, batch.y, state["mc"][inner], state["old"][:, inner], A, clip_of(args))
+    loss.backward()
+    return loss.item()
+
+@torch.no_grad()
+def dtrpo_draws(model, batch, args, generator):
+    """dTRPO: one sampler step per block per inner update, and the rollout policy's estimate on them."""
+    c, mu = batch.commit_steps, args.updates_per_batch
+    t = torch.stack([draw_block_steps(c, args.block_len, generator) for _ in range(mu)], 1)     # (B, mu, nb)
+    old = [dtrpo_log_likelihood(model, batch.x, batch.y, c, args.block_len, steps=t[:, j]) for j in range(mu)]
+    return {"steps": t, "old": torch.stack(old, 1)}
+
+def dtrpo_update(model, batch, state, A, args, inner):
+    loss = dtrpo_loss(model, batch.x, batch.y, batch.commit_steps, state["steps"][:, inner], state["old"][:, inner], A,
+                      clip_of(args), args.block_len)
+    loss.backward()
+    return loss.item()
+
+def no_draws(model, batch, args, generator):
+    return None                                       # the trajectory control reads the rollouts' own steps
+
+def trajectory_update(model, batch, state, A, args, inner):
+    return trajectory_backward(model, batch.x, batch.y, batch.commit_steps, A)
+
+OBJECTIVES = {**TUTORIAL_OBJECTIVES, "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
+              "stp": Objective(stp_draws, stp_update), "dtrpo": Objective(dtrpo_draws, dtrpo_update),
+              "trajectory": Objective(no_draws, trajectory_update)}
+
+def d1_advantages(rewards, group_size):
+    """d1's advantage: the reward minus its group's mean, not divided by the group's std."""
+    r = reward_groups(rewards, group_size)
+    return (r - r.mean(1, keepdim=True)).flatten()
+
+def stp_prior(task, prompts):
+    """STP's static prior as generate's prior=: (B, L) token ids, MASK at the free positions. On
+    Sudoku, the given cells (the completion repeats the grid); the other tasks have none: None."""
+    if task.name != "sudoku":
+        return None
+    grid = task.tokenizer.encode_batch([p.replace("|", "") for p in prompts], task.gen_len, "right")
+    return grid.masked_fill(~sudoku_anchors(prompts), task.tokenizer.mask_id)
+
+def lab_sampler(task, prompts, args):
+    """generate()'s extra arguments in the lab: --remasking, and STP's anchors and early stop."""
+    return {"remasking": args.remasking, "prior": stp_prior(task, prompts) if args.anchors else None,
+            "early_stop": args.stp_tau}
+
+def flat_grad(model):
+    """The accumulated gradient as one flat vector (zeros for parameters backward did not reach)."""
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()])
