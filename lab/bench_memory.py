@@ -44,12 +44,16 @@ def every_objective_table(args, task):
             print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
     return rows
 
-def main(argv=None):
+def parse_args(argv=None):
     p = bgpo.make_parser("python -m lab.bench_memory", "Activation memory and time of one update of every RL objective.")
     p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it (the paper's "
                    "Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed (default: %(default)s)")
     args = bgpo.check_args(p, p.parse_args(argv))
     args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None   # the lab objectives' options, off
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
     task = bgpo.get_task(args.task)
     if args.plot:
         rows = bgpo.bench_memory(args, task)

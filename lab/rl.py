@@ -78,13 +78,11 @@ def rows_of(value, rows):
     """The part of a rollout batch, or of an objective's per-batch state, that belongs to these rows."""
     if isinstance(value, dict):
         return {k: rows_of(v, rows) for k, v in value.items()}
-    if isinstance(value, bgpo.MCSamples):
-        return bgpo.MCSamples(value.mask[rows], value.weight[rows])
-    if isinstance(value, bgpo.Rollouts):
-        keep = rows.nonzero()[:, 0].tolist()
-        return bgpo.Rollouts([value.prompts[i] for i in keep], value.x[rows], value.y[rows], value.commit_steps[rows],
-                             [value.texts[i] for i in keep], value.rewards[rows.cpu()])
-    return None if value is None else value[rows]
+    if isinstance(value, (bgpo.MCSamples, bgpo.Rollouts)):
+        return type(value)(*(rows_of(getattr(value, f.name), rows) for f in dataclasses.fields(value)))
+    if isinstance(value, list):
+        return [v for v, keep in zip(value, rows.tolist()) if keep]
+    return None if value is None else value[rows.to(value.device)]
 
 def split_by_sign(objective, stats):
     """objective, with its backward run twice: on the rows with A > 0, then on those with A < 0, each

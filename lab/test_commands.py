@@ -1,0 +1,119 @@
+"""
+The lab's commands run end to end on tiny models: python -m lab.rl with every objective and option,
+the estimator lab, the memory table, the comparison figure; bad flags exit 2 with one line.
+"""
+import json
+
+import numpy as np
+import pytest
+
+import bgpo
+from lab import bench_estimators, bench_memory, compare, dtrpo_offline, rl
+from tasks import get_task
+from test_bgpo import float64, tiny_argv  # noqa: F401 (float64: an autouse fixture)
+
+@pytest.fixture(scope="module")
+def shared_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("field")
+
+@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--d1-advantages"]), ("stp", ["--stp-tau", "0.5"]),
+                                              ("dtrpo", [])])
+def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
+    tmp_path = shared_out                                                  # one SFT model for the three runs
+    history = rl.main(tiny_argv(tmp_path, "--objective", objective, *extra))
+    assert [h["step"] for h in history] == [0, 1, 2]
+    run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
+    records = bgpo.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    passes = [r["rollout_passes"] for r in records[1:]]
+    assert passes == ([3, 3] if objective == "stp" else [4, 4]), "STP: 2 of 4 tokens, then one pass fills the rest"
+
+def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
+    rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
+    records = bgpo.read_log(tmp_path / "arithmetic_trajectory_random_u1_seed0" / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
+
+def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_path, monkeypatch):
+    real, rollout_prompts = bgpo.encode, []
+
+    def recording_encode(task, prompts, answers=None, device="cpu"):
+        if len(prompts) == 2 * 4:                                        # prompts-per-step x group-size
+            rollout_prompts.extend(prompts)
+        return real(task, prompts, answers, device)
+
+    monkeypatch.setattr(bgpo, "encode", recording_encode)
+    rl.main(tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5"))
+    pool, _ = get_task("arithmetic").sample(3, "train", 0 + 2)           # seed + 2, as run_rl draws it
+    assert len(rollout_prompts) == 3 * 8 and set(rollout_prompts) <= set(pool)
+    records = bgpo.read_log(tmp_path / "arithmetic_bgpo_nt4_u1_pool3_seed0" / "log.jsonl")
+    assert [r["step"] for r in records if "pool_accuracy" in r] == [0, 1, 2, 3]     # with every evaluation
+    assert all(0.0 <= r["pool_accuracy"] <= 1.0 for r in records if "pool_accuracy" in r)
+
+def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys):
+    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
+    compare.main(["arithmetic_bgpo_nt4_u1_seed0", "--out-dir", str(tmp_path)])
+    assert "compare.png" in capsys.readouterr().out
+    for runs in (["mean=arithmetic_bgpo_nt4_u1_seed0,no_such_run"], ["no_such_run"]):
+        with pytest.raises(SystemExit) as e:
+            compare.main(runs + ["--out-dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "no log.jsonl" in err and "no_such_run" in err and err.count("\n") == 1
+
+def test_mean_of_runs_averages_each_step_over_the_runs_that_have_it():
+    a = [{"step": 0, "accuracy": 0.2}, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.1, "accuracy": 0.4}]
+    b = [{"step": 0, "accuracy": 0.4}, {"step": 1, "reward": 0.3}, {"step": 2, "reward": 0.3}]
+    assert compare.mean_of_runs([a, b]) == [{"step": 0, "accuracy": pytest.approx(0.3)}, {"step": 1, "reward": pytest.approx(0.4)},
+                                         {"step": 2, "reward": pytest.approx(0.2)}]
+
+def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_estimators, "N_T", (1, 4))                    # fewer rows: the pipeline, not the numbers
+    monkeypatch.setattr(bench_estimators, "REPEATS", 2)
+    monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (2, 4))
+    monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)            # d1's 2^12 prompt masks: tested elsewhere
+    bench_estimators.main(tiny_argv(tmp_path, "--task", "countdown", "--sft-steps", "20"))  # SFT first
+    result = json.loads((tmp_path / "estimators_countdown.json").read_text())
+    rows = result["likelihood"]
+    for name in ("ELBO, stratified (BGPO)", "antithetic pair (ours)"):          # unbiased: exactly the ELBO
+        assert np.allclose(rows[name]["mean"], result["elbo"], atol=1e-5), name
+    assert np.allclose(rows["dTRPO, 1 step per block"]["mean"], rows["trajectory, all steps"]["mean"], atol=1e-5)
+    assert result["gradient"]["BGPO = naive (ELBO)"]["own_vs_elbo"] == 0.0
+    assert [row["n_t"] for row in result["signal_to_noise"]] == [1, "inf"]
+
+def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_path):
+    args = bench_memory.parse_args(tiny_argv(tmp_path, "--bench-repeats", "1"))
+    rows = {(r["objective"], r["samples"]): r["act_mb"] for r in bench_memory.every_objective_table(args, get_task("arithmetic"))}
+    assert rows["bgpo", 16] <= 1.1 * rows["bgpo", 1], "BGPO: one sample's graph at a time"
+    assert rows["naive", 16] > 8 * rows["naive", 1] and rows["stp", 16] > 8 * rows["stp", 1], "one batch of n copies"
+
+def test_memory_figure_holds_the_lines_it_draws():
+    rows = [{"n_t": n, "naive_mb": 10.0 * n, "bgpo_mb": 10.0, "naive_s": 1.0, "bgpo_s": 0.5} for n in (1, 2)]
+    memory, ratio = bench_memory.memory_figure(rows)["panels"]
+    assert [line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]] and ratio["lines"][0]["y"] == [0.5, 0.5]
+
+@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, dtrpo_offline])
+def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        command.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--out-dir" in out and "(default:" in out
+
+@pytest.mark.parametrize("extra, message", [
+    (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
+    (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
+    (["--stp-tau", "0.5"], "--stp-tau is an option of --objective stp, not bgpo"),
+    (["--objective", "stp", "--stp-tau", "0"], "--stp-tau must be in (0, 1]"),
+    (["--d1-advantages"], "--d1-advantages is an option of --objective diffu-grpo"),
+    (["--objective", "dtrpo", "--no-anchors"], "--no-anchors is an option of --objective stp"),
+    (["--objective", "diffu-grpo", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
+    (["--rl-pool", "1"], "smaller than --prompts-per-step"),
+    (["--rl-pool", "-1"], "integer >= 0"),
+    (["--objective", "ppo"], "invalid choice"),
+    (["--remasking", "left"], "invalid choice"),
+])
+def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        rl.parse_args(tiny_argv(tmp_path, *extra))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err

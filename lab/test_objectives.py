@@ -1,0 +1,201 @@
+"""
+The field's RL objectives (lab/objectives.py) and the lab's RL diagnostics (lab/rl.py): each loss
+against its value worked out by hand, each objective's on-policy gradient against that of its
+estimate, the update built in two parts against the update in one, and RADD's cached sampler.
+"""
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import bgpo
+from bgpo import Rollouts, bgpo_backward
+from lab import objectives, rl
+from lab.estimators import dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood, trajectory_log_likelihood
+from lab.radd import generate_radd
+from test_bgpo import float64, grads, on_policy_setup, random_batch, report, tiny_model  # noqa: F401 (float64: autouse)
+from tiny_dllm import generate
+
+def lab_args(**settings):
+    """The settings the objectives read, as lab.rl would give them."""
+    return argparse.Namespace(**{"updates_per_batch": 2, "mc_samples": 3, "block_len": None, "clip_eps": 0.2,
+                                 "mc_chunk": 1, "anchors": False, **settings})
+
+def logp_given(model, prompts, inputs, targets):
+    """log p(targets_i | prompts, inputs) at every completion position, straight from the model: (B, L)."""
+    logits = model(torch.cat([prompts, inputs], 1))[:, prompts.shape[1]:]
+    return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+
+def clipped_by_hand(ratios, A, eps):
+    """-mean of min(r A, clip(r, 1 - eps, 1 + eps) A) over a list of (ratio, advantage) pairs."""
+    return -np.mean([min(r * a, min(max(r, 1 - eps), 1 + eps) * a) for r, a in zip(ratios, A)])
+
+DELTA = torch.tensor([[0.5, -0.1, 0.05, -0.6], [0.3, -0.4, 0.0, 0.15]], dtype=torch.float64)  # log-ratios inside and outside the clip
+
+ADV = torch.tensor([1.5, -0.7], dtype=torch.float64)
+
+def test_diffu_grpo_loss_equals_the_per_token_clipped_ratio_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    hide = torch.tensor([[False, True, False], [True, False, True]])
+    everything = torch.full_like(y, 1)                                     # MASK = 1
+    hand = logp_given(model, x.masked_fill(hide, 1), everything, y).detach()
+    loss = objectives.diffu_grpo_loss(model, x, y, hide, hand - DELTA, ADV, clip_eps=0.5)
+    expected = clipped_by_hand(DELTA.exp().flatten().tolist(), ADV.repeat_interleave(4).tolist(), 0.5)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+def test_stp_loss_equals_the_per_token_clipped_ratio_of_the_weighted_copies_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    mask = torch.tensor([[[True, False, True, False], [False, False, False, True]],
+                         [[True, True, False, False], [True, True, True, False]]])  # (B, n = 2, L)
+    weight = torch.tensor([[2.0, 4.0], [1.5, 1.0]])
+    hand = sum(weight[:, j, None] * mask[:, j] * logp_given(model, x, y.masked_fill(mask[:, j], 1), y)
+               for j in range(2)).detach() / 2
+    loss = objectives.stp_loss(model, x, y, bgpo.MCSamples(mask, weight), hand - DELTA, ADV, clip_eps=0.2)
+    expected = clipped_by_hand(DELTA.exp().flatten().tolist(), ADV.repeat_interleave(4).tolist(), 0.2)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+def test_dtrpo_loss_equals_the_sequence_clipped_ratio_of_one_step_worked_out_by_hand():
+    model, (x, y) = tiny_model(), random_batch(B=2, P=3, L=4)
+    commit = torch.tensor([[2, 0, 3, 1], [1, 1, 0, 2]])
+    steps = torch.tensor([[2], [1]])                                       # one block: one step each
+    # row 0: 4 steps; at step 2 positions {0, 2} are masked and 0 is committed. Row 1: 3 steps; at
+    # step 1 positions {0, 1, 3} are masked and 0, 1 are committed
+    lp0 = logp_given(model, x[:1], y[:1].masked_fill(torch.tensor([[True, False, True, False]]), 1), y[:1])[0]
+    lp1 = logp_given(model, x[1:], y[1:].masked_fill(torch.tensor([[True, True, False, True]]), 1), y[1:])[0]
+    hand = torch.stack([4 * lp0[0], 3 * (lp1[0] + lp1[1])]).detach()
+    delta = torch.tensor([0.1, -0.5])                                      # per-token log-ratios: x L = 4
+    loss = objectives.dtrpo_loss(model, x, y, commit, steps, hand - 4 * delta, ADV, clip_eps=0.2)
+    assert loss.item() == pytest.approx(clipped_by_hand(delta.exp().tolist(), ADV.tolist(), 0.2), rel=1e-12)
+
+def test_dtrpo_dpo_loss_is_minus_log_sigmoid_of_beta_margin_and_has_no_gradient_for_equal_pairs():
+    model, reference, (x, y) = tiny_model(), tiny_model(seed=1), random_batch(B=1, P=3, L=4)
+    win, lose = y, y.flip(1)
+    c_win, c_lose = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[3, 2, 1, 0]])
+    steps = (torch.tensor([[1]]), torch.tensor([[0]]))
+    # win at step 1: positions 1-3 masked, position 1 committed; lose at step 0: all masked, position 3 committed
+    state_w, state_l = torch.tensor([[False, True, True, True]]), torch.ones(1, 4, dtype=torch.bool)
+
+    def R(m):
+        return (4 * logp_given(m, x, win.masked_fill(state_w, 1), win)[0, 1]
+                - 4 * logp_given(m, x, lose.masked_fill(state_l, 1), lose)[0, 3]).item()
+    margin = R(model) - R(reference)
+    loss = objectives.dtrpo_dpo_loss(model, reference, x, win, c_win, lose, c_lose, beta=0.5, steps=steps)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * margin))), rel=1e-12)
+
+    model.zero_grad()
+    objectives.dtrpo_dpo_loss(model, reference, x, win, c_win, win, c_win, beta=0.5, steps=(steps[0], steps[0])).backward()
+    assert grads(model).abs().max().item() == 0.0, "equal pairs: the two log-ratios cancel"
+
+def test_each_field_objective_has_the_on_policy_gradient_of_its_estimate_on_the_same_draws():
+    """On-policy (inner update 0), every loss has the gradient of -mean_b A_b X_b / L, X the estimate."""
+    model, (x, _) = tiny_model(), random_batch(B=4, P=3, L=5)
+    y, commit = generate(model, x, 5, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    batch, A = Rollouts(["?"] * 4, x, y, commit, None, None), torch.tensor([1.0, -0.5, 0.3, -0.8])
+    estimate = {"diffu-grpo": lambda r: one_step_log_likelihood(model, x.masked_fill(r["prompt_mask"][:, 0], 1), y),
+                "stp": lambda r: stp_token_log_likelihood(model, x, y, r["mc"][0]).sum(1),
+                "dtrpo": lambda r: dtrpo_log_likelihood(model, x, y, commit, steps=r["steps"][:, 0])}
+    for name, X in estimate.items():
+        objective = objectives.OBJECTIVES[name]
+        state = objective.prepare(model, batch, lab_args(), torch.Generator().manual_seed(1))
+        model.zero_grad()
+        objective.backward(model, batch, state, A, lab_args(), 0)
+        g_loss = grads(model).clone()
+        model.zero_grad()
+        (-(A * X(state)).mean() / 5).backward()
+        assert torch.allclose(g_loss, grads(model), rtol=1e-10, atol=1e-13), f"{name}: {report(g_loss, grads(model))}"
+
+def test_diffu_grpo_old_and_current_policy_see_the_same_prompt_mask_and_inner_updates_different_ones():
+    model, (x, y) = tiny_model(), random_batch(B=8, P=6, L=4)
+    batch, args, seen = Rollouts(["?"] * 8, x, y, None, None, None), lab_args(updates_per_batch=3), []
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0][:, :6].clone()))
+    state = objectives.diffu_grpo_draws(model, batch, args, torch.Generator().manual_seed(0))
+    old = seen[:]                                                          # the old policy, one pass per inner update
+    for j in range(3):
+        objectives.diffu_grpo_update(model, batch, state, torch.ones(8), args, j)
+        assert torch.equal(seen[-1], old[j]), f"inner update {j} sees the prompt mask its old values were computed on"
+        assert (seen[-1] == 1).any(), "some prompt tokens are masked (p = 0.15 of 48)"
+    assert not torch.equal(old[0], old[1]) and not torch.equal(old[1], old[2]), "each inner update has its own mask"
+
+def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_in_fewer_passes():
+    model, (x, _) = tiny_model(max_len=3 + 8), random_batch(B=16, P=3, L=8)
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.rand(16, 8, generator=g) < 0.3
+    prior = torch.randint(2, 10, (16, 8), generator=g).masked_fill(~anchors, 1)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    y, commit = generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior, early_stop=0.5)
+    assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), "anchors: in place, never committed"
+    assert not (y == 1).any() and (commit[~anchors] >= 0).all(), "the early stop filled every masked position"
+    passes = int(commit.max()) + 1
+    assert len(calls) == passes < 8, f"{len(calls)} forward passes, one per step that committed something, and the fill"
+    placed_before_fill = anchors.sum(1) + ((commit >= 0) & (commit < passes - 1)).sum(1)
+    assert (placed_before_fill >= 4).all(), "a row stops once int(0.5 * 8) tokens are in place"
+
+def test_d1_advantages_are_the_reward_minus_the_group_mean():
+    A = objectives.d1_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5]), 3)
+    assert torch.allclose(A, torch.tensor([2 / 3, -1 / 3, -1 / 3, -1 / 3, 1 / 6, 1 / 6]))
+
+def test_trajectory_backward_is_the_gradient_of_the_trajectory_objective():
+    """One backward per sampler step adds up to autograd through the whole trajectory sum."""
+    model = tiny_model()
+    x, _ = random_batch(B=4)
+    y, commit = generate(model, x, 5, steps=3, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    A = torch.tensor([1.0, -0.5, 0.0, -0.5])
+    loss = -(A * trajectory_log_likelihood(model, x, y, commit)).mean() / 5
+    loss.backward()
+    expected = grads(model).clone()
+    model.zero_grad()
+    value = objectives.trajectory_backward(model, x, y, commit, A)
+    assert value == pytest.approx(loss.item(), abs=1e-12)
+    assert torch.allclose(grads(model), expected, atol=1e-12), report(grads(model), expected)
+
+def test_the_update_is_built_from_its_positive_and_negative_parts_and_adds_up_to_the_full_step():
+    """lab.rl backpropagates the rows with A > 0 and those with A < 0 separately; the parts it reports
+    must be the gradients of A+ and A- on the whole batch, and its step that of bgpo.py's one backward."""
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    parts = []
+    for a in (A.clamp(min=0), A.clamp(max=0), A):
+        model.zero_grad()
+        bgpo_backward(model, x, y, mc, old_terms, a)
+        parts.append(grads(model).clone())
+    g_pos, g_neg, g_full = parts
+    assert torch.allclose(g_pos + g_neg, g_full, atol=1e-12)
+    batch, state, stats = Rollouts(["?"] * 6, x, y, None, None, None), {"mc": mc, "old_terms": old_terms}, {}
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    loss = bgpo.rl_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rl.split_by_sign(bgpo.OBJECTIVES["bgpo"], stats),
+                          batch, state, A, lab_args(updates_per_batch=1, mc_samples=6))
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert stats["grad_pos"] == pytest.approx(g_pos.norm().item(), rel=1e-9)
+    assert stats["grad_neg"] == pytest.approx(g_neg.norm().item(), rel=1e-9)
+    assert stats["cos_pos_neg"] == pytest.approx((g_pos @ g_neg / (g_pos.norm() * g_neg.norm())).item(), rel=1e-9)
+    assert loss == pytest.approx(-A.mean().item(), abs=1e-12)                # on-policy the bound's value is -mean A
+    step = g_full * min(1.0, 1.0 / g_full.norm().item())                      # clip_grad_norm_(1.0), then SGD lr 1
+    assert torch.allclose(before - after, step, atol=1e-9), report(before - after, step)
+
+def test_prediction_entropy_of_a_uniform_model_is_log_of_the_tokens_it_can_write():
+    model = tiny_model()
+    torch.nn.init.zeros_(model.head.weight)                                   # every logit 0; MASK's is -inf
+    x, _ = random_batch(B=3)
+    assert rl.prediction_entropy(model, x, 5) == pytest.approx(math.log(model.config.vocab_size - 1), abs=1e-12)
+
+def test_radd_cached_sampler_gives_the_same_samples_as_uncached():
+    model = tiny_model()
+    x, _ = random_batch(B=64, L=5)
+    for temperature in (0.0, 1.0):
+        (y1, calls1), (y2, calls2) = (generate_radd(model, x, 5, 20, temperature, torch.Generator().manual_seed(3), cache)
+                                      for cache in (True, False))
+        assert torch.equal(y1, y2) and (y1 != 1).all(), "same draws, same samples, no MASK left"
+        assert (calls1 <= calls2).all() and calls1.sum() < calls2.sum()
+
+@pytest.mark.parametrize("n_steps", [5, 10, 40])
+def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
+    """Reveal steps are uniform over the N steps and independent, so the number of distinct steps
+    with a reveal, which is the number of calls, has mean N (1 - (1 - 1/N)^L)."""
+    model, L = tiny_model(), 5
+    x, _ = random_batch(B=4000, L=L)
+    calls = generate_radd(model, x, L, n_steps, 1.0, torch.Generator().manual_seed(n_steps))[1].double()
+    expected = n_steps * (1 - (1 - 1 / n_steps) ** L)
+    se = calls.std() / math.sqrt(len(calls))
+    assert abs(calls.mean() - expected) < 4 * se, f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}"
