@@ -307,6 +307,14 @@ def load_model(path, task, args):
     model.load_state_dict(load_checkpoint(path, task, model.config)["model"])
     return model.to(args.device)
 
+def sft_model(args, task):
+    """The SFT model: trained now (--stage sft, or --stage all without a matching checkpoint), else loaded."""
+    if args.stage == "sft" or (args.stage == "all" and not os.path.isfile(sft_path(args))):
+        return run_sft(args, task)
+    model = load_model(sft_path(args), task, args)
+    print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
+    return model
+
 def run_sft(args, task):
     """Minimise the negative ELBO of the reference answers (tiny_dllm.sft_loss), fresh problems each step."""
     torch.manual_seed(args.seed)  # the initial weights
@@ -466,52 +474,7 @@ def run_rl(args, task, model, objective=None, on_step=None):
                             step=step, model=model.state_dict(), optimizer=optimizer.state_dict(), rng=g.get_state(),
                             history=history)
             good_step = step
-    if args.plot:
-        draw(curves_figure({args.run_name: read_log(log_path)}), os.path.join(run_dir, "curves.png"))
     return history
-
-# -----------------------------------------------------------------------------
-# Figures: plain data first, the lines to plot (the tests check them), then draw(), the one
-# function that needs matplotlib; without it every command still runs
-
-def read_log(path):
-    return [json.loads(line) for line in open(path)]
-
-def curves_figure(runs):
-    """The paper's Fig. 2 in small: {label: a run's log.jsonl records} -> the rollout reward (mean of the
-    last 10 steps; a single run also shows each step's) and the held-out accuracy against the RL step."""
-    reward, accuracy = [], []
-    for label, records in runs.items():
-        steps, evals = [r for r in records if "reward" in r], [r for r in records if "accuracy" in r]
-        ys = [r["reward"] for r in steps]
-        if len(runs) == 1:
-            reward.append({"label": "each step", "x": [r["step"] for r in steps], "y": ys, "alpha": 0.3})
-        reward.append({"label": label, "x": [r["step"] for r in steps],
-                       "y": [sum(ys[max(0, i - 9):i + 1]) / min(i + 1, 10) for i in range(len(ys))]})
-        accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals], "style": "o-"})
-    return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
-                       {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
-
-def draw(figure, png_path):
-    """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print(f"matplotlib is not installed; skipped {png_path}")
-    fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(4.2 * len(figure["panels"]), 3.3), squeeze=False)
-    for ax, panel in zip(axes[0], figure["panels"]):
-        for line in panel["lines"]:
-            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], alpha=line.get("alpha", 1.0), markersize=3)
-        ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"))
-        ax.set_title(panel["title"], fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=80)
-    plt.close(fig)
-    print(f"wrote {png_path}")
-    return png_path
 
 # -----------------------------------------------------------------------------
 # 5. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
@@ -630,7 +593,6 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps (default: %(default)s)")
     a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK_seedS)")
     a("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint (default: %(default)s)")
-    a("--plot", action="store_true", help="draw the RL run's curves as curves.png, if matplotlib is installed (default: %(default)s)")
     return p
 
 def check_args(p, args):
@@ -664,14 +626,6 @@ def parse_args(argv=None):
     p = make_parser()
     return check_args(p, p.parse_args(argv))
 
-def sft_model(args, task):
-    """The SFT model: trained now (--stage sft, or --stage all without a matching checkpoint), else loaded."""
-    if args.stage == "sft" or (args.stage == "all" and not os.path.isfile(sft_path(args))):
-        return run_sft(args, task)
-    model = load_model(sft_path(args), task, args)
-    print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
-    return model
-
 def run(args, objective=None, on_step=None, rl_task=None):
     """SFT (or a matching SFT checkpoint), then RL with `objective` (default: --objective's) on rl_task
     (default: --task), then a summary."""
@@ -689,9 +643,8 @@ def run(args, objective=None, on_step=None, rl_task=None):
     print(f"\n{'':>22} {'accuracy':>9} {'reward':>7}")
     for name, h in (("SFT model", history[0]), (f"after {history[-1]['step']} RL steps", history[-1])):
         print(f"{name:>22} {h['accuracy']:>9.1%} {h['reward']:>7.3f}")
-    run_dir = os.path.join(args.out_dir, args.run_name)
-    print(f"({args.run_name}: {time.time() - t0:.0f} s on {args.device})\nfiles: " + ", ".join(
-        f for f in [sft_path(args)] + [os.path.join(run_dir, f) for f in ("ckpt.pt", "log.jsonl", "curves.png")] if os.path.isfile(f)))
+    print(f"({args.run_name}: {time.time() - t0:.0f} s on {args.device})\nfiles: {sft_path(args)}, "
+          f"{os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}, {os.path.join(args.out_dir, args.run_name, 'log.jsonl')}")
     return history
 
 def main(argv=None):

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 import bgpo
-from bgpo import (ActivationMemory, RunError, bgpo_backward, draw, draw_mc_samples, elbo_from_table, elbo_terms,
+from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_from_table, elbo_terms,
                   exact_elbo, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table, sample_rollouts)
 from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments, diffucoder_moments,
                             dtrpo_log_likelihood, exact_table, one_step_log_likelihood, one_step_prompt_mask_moments,
                             size_stats, stp_log_likelihood, stratified_moments, sudoku_anchors, trajectory_log_likelihood,
                             trajectory_moments)
+from lab.figures import draw
 from lab.objectives import flat_grad
 
 N_T = (1, 2, 4, 8, 16, 32, 64)

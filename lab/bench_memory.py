@@ -11,7 +11,8 @@ import sys
 import torch
 
 import bgpo
-from bgpo import RunError, bench_batch, draw, make_model, measure_update
+from bgpo import RunError, bench_batch, make_model, measure_update
+from lab.figures import draw
 from lab.objectives import OBJECTIVES
 
 def memory_figure(rows):

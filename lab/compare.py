@@ -10,7 +10,7 @@ import os
 import statistics
 
 import bgpo
-from bgpo import curves_figure, draw, read_log
+from lab.figures import curves_figure, draw, read_log
 
 def mean_of_runs(logs):
     """Several runs' records (seeds) -> one: at each step, the mean reward and accuracy of the runs that have it."""

@@ -1,0 +1,44 @@
+"""
+Figures: each is first plain data, the lines it plots (which the tests check), then drawn by draw(),
+the one function that needs matplotlib; without it every command still runs and says what it skipped.
+"""
+import json
+
+def read_log(path):
+    return [json.loads(line) for line in open(path)]
+
+def curves_figure(runs):
+    """The paper's Fig. 2 in small: {label: a run's log.jsonl records} -> the rollout reward (mean of the
+    last 10 steps; a single run also shows each step's) and the held-out accuracy against the RL step."""
+    reward, accuracy = [], []
+    for label, records in runs.items():
+        steps, evals = [r for r in records if "reward" in r], [r for r in records if "accuracy" in r]
+        ys = [r["reward"] for r in steps]
+        if len(runs) == 1:
+            reward.append({"label": "each step", "x": [r["step"] for r in steps], "y": ys, "alpha": 0.3})
+        reward.append({"label": label, "x": [r["step"] for r in steps],
+                       "y": [sum(ys[max(0, i - 9):i + 1]) / min(i + 1, 10) for i in range(len(ys))]})
+        accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals], "style": "o-"})
+    return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
+                       {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
+
+def draw(figure, png_path):
+    """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print(f"matplotlib is not installed; skipped {png_path}")
+    fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(4.2 * len(figure["panels"]), 3.3), squeeze=False)
+    for ax, panel in zip(axes[0], figure["panels"]):
+        for line in panel["lines"]:
+            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], alpha=line.get("alpha", 1.0), markersize=3)
+        ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"))
+        ax.set_title(panel["title"], fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=80)
+    plt.close(fig)
+    print(f"wrote {png_path}")
+    return png_path
