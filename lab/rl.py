@@ -16,12 +16,14 @@ What the lab adds to bgpo.run_rl, all through its plug-in points (an Objective a
    summation order, so a run here differs from bgpo.py's by rounding, not by what it computes.
 """
 import dataclasses
+import os
 import sys
 
 import torch
 
 import bgpo
 from bgpo import RunError, evaluate, positive_float, positive_int
+from lab.figures import curves_figure, draw, read_log
 from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler
 from tasks import get_task
 
@@ -40,6 +42,7 @@ def make_parser():
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence", help="which positions a rollout step commits: the most confident, or uniformly random ones (default: %(default)s)")
     a("--neg-weight", type=float, default=1.0, help="scale of the negative advantages, in [0, 1] (default: %(default)s)")
     a("--rl-pool", type=bgpo.non_negative_int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
+    a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder, if matplotlib is installed (default: %(default)s)")
     a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
     return p
 
@@ -150,7 +153,11 @@ def main(argv=None):
     args = parse_args(argv)
     task, stats = get_task(args.task), {}
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
-    return bgpo.run(args, lab_objective(args, stats), diagnostics(task, args, stats, pool), Pool(task, pool) if pool else None)
+    history = bgpo.run(args, lab_objective(args, stats), diagnostics(task, args, stats, pool), Pool(task, pool) if pool else None)
+    if args.plot and args.stage != "sft":
+        run_dir = os.path.join(args.out_dir, args.run_name)
+        draw(curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))}), os.path.join(run_dir, "curves.png"))
+    return history
 
 if __name__ == "__main__":
     try:
