@@ -7,8 +7,8 @@ are in lab/test_*.py; one command runs both.
     python -m pytest -q -k equivalence  # one claim
 """
 import itertools
+import json
 import math
-import os
 import time
 
 import pytest
@@ -44,6 +44,9 @@ def random_batch(B=6, P=3, L=5, vocab_size=10, seed=0):
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+def read_log(path):
+    return [json.loads(line) for line in open(path)]
 
 def report(a, b):
     diff = (a - b).abs()
@@ -377,7 +380,7 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))
     assert [h["step"] for h in history] == [0, 1, 2]
     run = tmp_path / f"arithmetic_{objective}_nt4_u1_seed0"
-    records = bgpo.read_log(run / "log.jsonl")
+    records = read_log(run / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and (run / "ckpt.pt").exists()
     assert records[0]["accuracy"] == history[0]["accuracy"], "step 0 is the SFT model's evaluation"
     for r in records[1:]:                                                 # what tells the run's health
@@ -422,21 +425,8 @@ def test_run_rl_takes_its_objective_as_a_value_and_calls_prepare_once_per_batch(
     task = get_task("arithmetic")
     bgpo.run_rl(args, task, bgpo.run_sft(args, task), Objective(prepare, backward), on_step)
     assert calls == [("prepare", 8), ("backward", "state", 0), ("backward", "state", 1)] * 2
-    records = bgpo.read_log(tmp_path / args.run_name / "log.jsonl")
+    records = read_log(tmp_path / args.run_name / "log.jsonl")
     assert [r["seen"] for r in records] == [False, True, True]
-
-def test_curves_figure_holds_the_lines_it_draws_and_draws_a_png_when_matplotlib_is_there(tmp_path):
-    records = [{"step": 0, "accuracy": 0.25, "eval_reward": 0.3}] + \
-        [{"step": s, "reward": float(s), **({"accuracy": 0.5} if s == 3 else {})} for s in (1, 2, 3)]
-    figure = bgpo.curves_figure({"run": records, "other run": records})
-    reward, accuracy = (panel["lines"][0] for panel in figure["panels"])
-    assert reward["x"] == [1, 2, 3] and reward["y"] == [1.0, 1.5, 2.0], "running mean of the rewards"
-    assert [len(panel["lines"]) for panel in figure["panels"]] == [2, 2], "a line per run"
-    each_step = bgpo.curves_figure({"run": records})["panels"][0]["lines"][0]
-    assert each_step["y"] == [1.0, 2.0, 3.0], "a single run also shows each step's reward"
-    assert accuracy["x"] == [0, 3] and accuracy["y"] == [0.25, 0.5]
-    pytest.importorskip("matplotlib")
-    assert os.path.getsize(bgpo.draw(figure, str(tmp_path / "f.png"))) > 1000
 
 def test_sft_prints_progress_every_30_seconds_when_the_bar_is_hidden(tmp_path, capsys, monkeypatch):
     clock = itertools.count(0.0, 20.0)                                     # every reading of the clock: 20 s later
@@ -456,7 +446,7 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
     for run in ("straight", "interrupted"):                                # step 0 (the SFT model), then 1-4
-        assert [r["step"] for r in bgpo.read_log(tmp_path / run / "log.jsonl")] == [0, 1, 2, 3, 4]
+        assert [r["step"] for r in read_log(tmp_path / run / "log.jsonl")] == [0, 1, 2, 3, 4]
 
 @pytest.mark.parametrize("extra, message", [
     (["--task", "chess"], "unknown task"),

@@ -3,14 +3,15 @@ The lab's commands run end to end on tiny models: python -m lab.rl with every ob
 the estimator lab, the memory table, the comparison figure; bad flags exit 2 with one line.
 """
 import json
+import os
 
 import numpy as np
 import pytest
 
 import bgpo
-from lab import bench_estimators, bench_memory, compare, dtrpo_offline, rl
+from lab import bench_estimators, bench_memory, compare, dtrpo_offline, figures, rl
 from tasks import get_task
-from test_bgpo import float64, tiny_argv  # noqa: F401 (float64: an autouse fixture)
+from test_bgpo import tiny_argv
 
 @pytest.fixture(scope="module")
 def shared_out(tmp_path_factory):
@@ -23,14 +24,14 @@ def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra)
     history = rl.main(tiny_argv(tmp_path, "--objective", objective, *extra))
     assert [h["step"] for h in history] == [0, 1, 2]
     run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
-    records = bgpo.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     passes = [r["rollout_passes"] for r in records[1:]]
     assert passes == ([3, 3] if objective == "stp" else [4, 4]), "STP: 2 of 4 tokens, then one pass fills the rest"
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
-    records = bgpo.read_log(tmp_path / "arithmetic_trajectory_random_u1_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / "arithmetic_trajectory_random_u1_seed0" / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
@@ -47,7 +48,7 @@ def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_p
     rl.main(tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5"))
     pool, _ = get_task("arithmetic").sample(3, "train", 0 + 2)           # seed + 2, as run_rl draws it
     assert len(rollout_prompts) == 3 * 8 and set(rollout_prompts) <= set(pool)
-    records = bgpo.read_log(tmp_path / "arithmetic_bgpo_nt4_u1_pool3_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / "arithmetic_bgpo_nt4_u1_pool3_seed0" / "log.jsonl")
     assert [r["step"] for r in records if "pool_accuracy" in r] == [0, 1, 2, 3]     # with every evaluation
     assert all(0.0 <= r["pool_accuracy"] <= 1.0 for r in records if "pool_accuracy" in r)
 
@@ -80,6 +81,19 @@ def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree
     assert np.allclose(rows["dTRPO, 1 step per block"]["mean"], rows["trajectory, all steps"]["mean"], atol=1e-5)
     assert result["gradient"]["BGPO = naive (ELBO)"]["own_vs_elbo"] == 0.0
     assert [row["n_t"] for row in result["signal_to_noise"]] == [1, "inf"]
+
+def test_curves_figure_holds_the_lines_it_draws_and_draws_a_png_when_matplotlib_is_there(tmp_path):
+    records = [{"step": 0, "accuracy": 0.25, "eval_reward": 0.3}] + \
+        [{"step": s, "reward": float(s), **({"accuracy": 0.5} if s == 3 else {})} for s in (1, 2, 3)]
+    figure = figures.curves_figure({"run": records, "other run": records})
+    reward, accuracy = (panel["lines"][0] for panel in figure["panels"])
+    assert reward["x"] == [1, 2, 3] and reward["y"] == [1.0, 1.5, 2.0], "running mean of the rewards"
+    assert [len(panel["lines"]) for panel in figure["panels"]] == [2, 2], "a line per run"
+    each_step = figures.curves_figure({"run": records})["panels"][0]["lines"][0]
+    assert each_step["y"] == [1.0, 2.0, 3.0], "a single run also shows each step's reward"
+    assert accuracy["x"] == [0, 3] and accuracy["y"] == [0.25, 0.5]
+    pytest.importorskip("matplotlib")
+    assert os.path.getsize(figures.draw(figure, str(tmp_path / "f.png"))) > 1000
 
 def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_path):
     args = bench_memory.parse_args(tiny_argv(tmp_path, "--bench-repeats", "1"))

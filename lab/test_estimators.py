@@ -14,7 +14,7 @@ import bgpo
 from bgpo import draw_mc_samples, elbo_terms, exact_elbo, log_probs_under_every_mask, random_order_log_likelihood
 from lab import estimators
 from tasks import get_task
-from test_bgpo import float64, grads, random_batch, report, tiny_model  # noqa: F401 (float64: an autouse fixture)
+from test_bgpo import grads, random_batch, report, tiny_model
 from tiny_dllm import ModelConfig, TinyDLLM, generate, masked_log_likelihood, sft_loss
 
 def test_random_remasking_samples_from_the_random_order_likelihood():

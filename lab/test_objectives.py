@@ -15,7 +15,7 @@ from bgpo import Rollouts, bgpo_backward
 from lab import objectives, rl
 from lab.estimators import dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood, trajectory_log_likelihood
 from lab.radd import generate_radd
-from test_bgpo import float64, grads, on_policy_setup, random_batch, report, tiny_model  # noqa: F401 (float64: autouse)
+from test_bgpo import grads, on_policy_setup, random_batch, report, tiny_model
 from tiny_dllm import generate
 
 def lab_args(**settings):
