@@ -200,14 +200,15 @@ def group_advantages(rewards, group_size):
 # -----------------------------------------------------------------------------
 # 3. Activation memory: the bytes autograd holds for backward
 
-class ActivationMemory:
-    """Counts, while active, the peak bytes of distinct tensors saved for backward, excluding the
-    parameters. Each saved tensor is wrapped in a handle whose destruction (when backward frees the
-    graph) releases its bytes, so the count is exact and deterministic on CPU."""
+class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
+    """While active (a with block), counts the peak bytes of distinct tensors saved for backward,
+    excluding the parameters. Each saved tensor is wrapped in a handle whose destruction (when
+    backward frees the graph) releases its bytes, so the count is exact and deterministic on CPU."""
 
     def __init__(self, model):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.live, self.current, self.peak = {}, 0, 0   # live: storage -> [bytes, handles alive]
+        super().__init__(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
 
     def _pack(self, t):
         ptr = t.untyped_storage().data_ptr()
@@ -228,14 +229,10 @@ class ActivationMemory:
             self.current -= self.live.pop(ptr)[0]
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
-        self._hooks.__enter__()
+        super().__enter__()
         return self
 
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-class _Saved:  # a handle that can be garbage-collected (a tensor's own lifetime is not ours to watch)
+class _Saved:  # a handle whose garbage collection tells us autograd let go of the tensor
     def __init__(self, t):
         self.t = t
 
