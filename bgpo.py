@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 import torch
@@ -380,13 +380,31 @@ def elbo_draws(model, batch, args, generator):
     with torch.no_grad():
         return {"mc": mc, "old_terms": elbo_terms(model, batch.x, batch.y, mc)}       # (B, M)
 
+def rows_of(value, rows):
+    """The part of a rollout batch, or of an objective's per-batch state, that belongs to these rows."""
+    if isinstance(value, dict):
+        return {k: rows_of(v, rows) for k, v in value.items()}
+    if isinstance(value, (MCSamples, Rollouts)):
+        return type(value)(*(rows_of(getattr(value, f.name), rows) for f in fields(value)))
+    if isinstance(value, list):
+        return [v for v, keep in zip(value, rows.tolist()) if keep]
+    return None if value is None else value[rows.to(value.device)]
+
+def informative(batch, state, A):
+    """A row with A = 0 (its group's rewards all tie) adds nothing to an objective that is a mean over
+    rows: keep the others, their A scaled by their share of the batch, and skip its forward passes."""
+    rows = A != 0
+    return rows_of(batch, rows), rows_of(state, rows), A[rows] * (int(rows.sum()) / len(A))
+
 def clip_of(args):
     return args.clip_eps if args.updates_per_batch > 1 else None   # on-policy the clip is inactive anyway
 
 def bgpo_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
     return bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args), args.mc_chunk)
 
 def naive_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
     loss = naive_loss(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args))
     loss.backward()
     return loss.item()
@@ -395,10 +413,12 @@ OBJECTIVES = {"bgpo": Objective(elbo_draws, bgpo_update), "naive": Objective(elb
 
 def rl_update(model, optimizer, objective, batch, state, A, args, inner=0):
     """One optimizer step; none if every group's rewards tie (A = 0: no signal, only Adam's momentum)
-    or the loss is not finite (run_rl then stops)."""
+    or if the loss is not finite (run_rl then stops)."""
     optimizer.zero_grad(set_to_none=True)
+    if not A.any():
+        return 0.0
     loss = objective.backward(model, batch, state, A, args, inner)
-    if math.isfinite(loss) and A.any():
+    if math.isfinite(loss):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     return loss
@@ -477,12 +497,13 @@ def run_rl(args, task, model, objective=None, on_step=None):
 # 5. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_batch(task, args):
-    """B = G x prompts demonstrations with random 0/1 rewards (memory and time depend on the shapes, not
-    the values), and a random writing order as commit_steps (for the lab's objectives)."""
+    """B = G x prompts demonstrations with random rewards that never tie, so that every row is in the
+    update (memory and time depend on the shapes, not the values), and a random writing order as
+    commit_steps (for the lab's objectives)."""
     B, g = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     prompts, answers = task.sample(B, "train", g)
     x, y = encode(task, prompts, answers, device=args.device)
-    A = group_advantages(torch.randint(0, 2, (B,), generator=g).to(torch.get_default_dtype()), args.group_size)
+    A = group_advantages(torch.rand(B, generator=g).to(torch.get_default_dtype()), args.group_size)
     commit = torch.rand(B, task.gen_len, generator=g).argsort(1).argsort(1).to(args.device)
     return Rollouts(prompts, x, y, commit, answers, A), A.to(args.device), g
 

@@ -413,8 +413,8 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
     assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), report(*new_params.values())
 
 def test_run_rl_takes_its_objective_as_a_value_and_calls_prepare_once_per_batch(tmp_path):
-    """The plug-in point the lab uses: prepare once per rollout batch, backward once per inner update, and
-    on_step's fields and text in the log and the printed line."""
+    """The plug-in point the lab uses: prepare once per rollout batch, backward once per inner update,
+    the objective's own advantages, and on_step's fields in the log."""
     calls = []
     prepare = lambda model, batch, args, g: calls.append(("prepare", len(batch.prompts))) or "state"
     backward = lambda model, batch, state, A, args, inner: calls.append(("backward", state, inner)) or 0.0
@@ -423,7 +423,8 @@ def test_run_rl_takes_its_objective_as_a_value_and_calls_prepare_once_per_batch(
         return "hello"
     args = tiny_args(tmp_path, "--updates-per-batch", "2", "--rl-steps", "2")
     task = get_task("arithmetic")
-    bgpo.run_rl(args, task, bgpo.run_sft(args, task), Objective(prepare, backward), on_step)
+    ones = lambda rewards, G: torch.ones(len(rewards))                 # (an untrained model's groups all tie)
+    bgpo.run_rl(args, task, bgpo.run_sft(args, task), Objective(prepare, backward, advantages=ones), on_step)
     assert calls == [("prepare", 8), ("backward", "state", 0), ("backward", "state", 1)] * 2
     records = read_log(tmp_path / args.run_name / "log.jsonl")
     assert [r["seen"] for r in records] == [False, True, True]

@@ -22,7 +22,7 @@ import sys
 import torch
 
 import bgpo
-from bgpo import RunError, evaluate, positive_float, positive_int
+from bgpo import RunError, evaluate, positive_float, positive_int, rows_of
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler
 from tasks import get_task
@@ -77,16 +77,6 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # The objective with the lab's options, and the update built in two parts
 
-def rows_of(value, rows):
-    """The part of a rollout batch, or of an objective's per-batch state, that belongs to these rows."""
-    if isinstance(value, dict):
-        return {k: rows_of(v, rows) for k, v in value.items()}
-    if isinstance(value, (bgpo.MCSamples, bgpo.Rollouts)):
-        return type(value)(*(rows_of(getattr(value, f.name), rows) for f in dataclasses.fields(value)))
-    if isinstance(value, list):
-        return [v for v, keep in zip(value, rows.tolist()) if keep]
-    return None if value is None else value[rows.to(value.device)]
-
 def split_by_sign(objective, stats):
     """objective, with its backward run twice: on the rows with A > 0, then on those with A < 0, each
     part's A scaled by its share of the rows (every objective is a mean over rows, so the two parts add
@@ -140,8 +130,9 @@ def diagnostics(task, args, stats, pool=None):
     def on_step(record, model, batch):
         text = []
         if batch is not None:
-            record.update(entropy=prediction_entropy(model, batch.x, task.gen_len),
-                          rollout_passes=int(batch.commit_steps.max()) + 1, **stats)
+            record.update({"entropy": prediction_entropy(model, batch.x, task.gen_len), "grad_pos": 0.0, "grad_neg": 0.0,
+                           "cos_pos_neg": 0.0, **stats, "rollout_passes": int(batch.commit_steps.max()) + 1})
+            stats.clear()                                          # (the zeros stand when every group tied: no update)
             text.append(f"entropy {record['entropy']:.2f} | cos(g+, g-) {record['cos_pos_neg']:+.2f}")
         if pool and "accuracy" in record:
             record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
