@@ -669,9 +669,13 @@ def main(argv=None):
     args = parse_args(argv)
     return bench_memory(args, get_task(args.task)) if args.bench_memory else run(args)
 
-if __name__ == "__main__":
+def command_line(main, prog):
+    """Run main(); bad input, a bad checkpoint or a diverged run print one line and exit with code 2."""
     try:
-        main()
+        return main()
     except RunError as e:
-        print(f"bgpo.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+if __name__ == "__main__":
+    command_line(main, "bgpo.py")

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -327,8 +326,4 @@ def main(argv=None):
     return bench_estimators(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunError as e:
-        print(f"lab.bench_estimators: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    bgpo.command_line(main, "lab.bench_estimators")

@@ -6,12 +6,11 @@ Fig. 1); this adds the field's objectives of lab/objectives.py and, with --plot,
     python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag]
 """
 import os
-import sys
 
 import torch
 
 import bgpo
-from bgpo import RunError, bench_batch, make_model, measure_update
+from bgpo import bench_batch, make_model, measure_update
 from lab.figures import draw
 from lab.objectives import OBJECTIVES
 
@@ -63,8 +62,4 @@ def main(argv=None):
     return every_objective_table(args, task)
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunError as e:
-        print(f"lab.bench_memory: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    bgpo.command_line(main, "lab.bench_memory")

@@ -1,11 +1,2 @@
-"""The lab's tests run in float64, as the tutorial's do: every comparison is then exact to ~1e-12."""
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+"""The lab's tests run in float64, as the tutorial's do (the same autouse fixture)."""
+from test_bgpo import float64  # noqa: F401 (pytest finds the fixture by its name here)

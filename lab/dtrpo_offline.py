@@ -9,12 +9,11 @@ with one sampler step per block. Each epoch prints the exact trajectory margin o
 step, lab.estimators.trajectory_log_likelihood), the quantity the estimate stands for.
 """
 import copy
-import sys
 
 import torch
 
 import bgpo
-from bgpo import RunError, evaluate, held_out, sample_rollouts
+from bgpo import evaluate, held_out, sample_rollouts
 from lab.estimators import dtrpo_log_likelihood, trajectory_log_likelihood
 from lab.objectives import dtrpo_dpo_loss
 
@@ -27,13 +26,16 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     estimate stands for, and the held-out accuracy."""
     g = torch.Generator().manual_seed(args.seed + 4)
     eval_prompts = held_out(task, args)
-    batch = sample_rollouts(model, task, task.sample(n_prompts, "train", g)[0], args.group_size, args, g)
-    x, y, commit, solved = batch.x, batch.y, batch.commit_steps, batch.rewards == 1.0
+    rollouts = sample_rollouts(model, task, task.sample(n_prompts, "train", g)[0], args.group_size, args, g)
+    x, y, commit, solved = rollouts.x, rollouts.y, rollouts.commit_steps, rollouts.rewards == 1.0
     win, lose = [], []
-    for lo in range(0, len(batch.prompts), args.group_size):                            # pairs within a prompt's group
+    for lo in range(0, len(rollouts.prompts), args.group_size):                            # pairs within a prompt's group
         group = torch.arange(lo, lo + args.group_size)
         w, l = group[solved[group]], group[~solved[group]]
         win, lose = win + w[:len(l)].tolist(), lose + l[:len(w)].tolist()
+    if not win:
+        raise bgpo.RunError(f"the SFT model's {len(rollouts.prompts)} rollouts give no solved/unsolved pair in any group "
+                            f"(solved share {solved.float().mean():.3f}): DPO needs both; try more --sft-steps")
     win, lose = torch.tensor(win), torch.tensor(lose)
     reference = copy.deepcopy(model).requires_grad_(False)
 
@@ -79,8 +81,4 @@ def main(argv=None):
     return offline_dtrpo(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunError as e:
-        print(f"lab.dtrpo_offline: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    bgpo.command_line(main, "lab.dtrpo_offline")

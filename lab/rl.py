@@ -17,12 +17,11 @@ What the lab adds to bgpo.run_rl, all through its plug-in points (an Objective a
 """
 import dataclasses
 import os
-import sys
 
 import torch
 
 import bgpo
-from bgpo import RunError, evaluate, positive_float, positive_int, rows_of
+from bgpo import evaluate, positive_float, positive_int, rows_of
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler
 from tasks import get_task
@@ -151,8 +150,4 @@ def main(argv=None):
     return history
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunError as e:
-        print(f"lab.rl: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    bgpo.command_line(main, "lab.rl")

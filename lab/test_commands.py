@@ -106,6 +106,13 @@ def test_memory_figure_holds_the_lines_it_draws():
     memory, ratio = bench_memory.memory_figure(rows)["panels"]
     assert [line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]] and ratio["lines"][0]["y"] == [0.5, 0.5]
 
+def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(tmp_path, capsys):
+    """An SFT model of 100 steps solves no addition: no pair for DPO, one line, exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        bgpo.command_line(lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4")), "lab.dtrpo_offline")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "give no solved/unsolved pair" in err and err.count("\n") == 1, err
+
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, dtrpo_offline])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
