@@ -326,4 +326,4 @@ def main(argv=None):
     return bench_estimators(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "lab.bench_estimators")
+    bgpo.command_line(main, "python -m lab.bench_estimators")

@@ -62,4 +62,4 @@ def main(argv=None):
     return every_objective_table(args, task)
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "lab.bench_memory")
+    bgpo.command_line(main, "python -m lab.bench_memory")

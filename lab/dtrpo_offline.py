@@ -81,4 +81,4 @@ def main(argv=None):
     return offline_dtrpo(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "lab.dtrpo_offline")
+    bgpo.command_line(main, "python -m lab.dtrpo_offline")

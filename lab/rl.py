@@ -150,4 +150,4 @@ def main(argv=None):
     return history
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "lab.rl")
+    bgpo.command_line(main, "python -m lab.rl")
