@@ -246,12 +246,12 @@ def policy_gradient_check(model, task, prompts, args):
     B, L = y.shape
     scale = -A.to(torch.get_default_dtype()) / (B * L)
 
-    def exact(value_of_table):  # sum_b A_b grad value(y_b), through each sequence's enumeration table
-        def run():
-            for b in (A != 0).nonzero()[:, 0].tolist():
-                (scale[b] * value_of_table(log_probs_under_every_mask(model, x[b], y[b]))).backward()
-        return _gradient(model, run)[0]
-    g_pi, g_elbo = exact(lambda table: random_order_from_table(*table)[1]), exact(lambda table: elbo_from_table(*table))
+    params = list(model.parameters())
+    g_pi, g_elbo = (torch.zeros(sum(p.numel() for p in params), dtype=torch.float64) for _ in range(2))
+    for b in (A != 0).nonzero()[:, 0].tolist():                                     # one table, two gradients
+        table = log_probs_under_every_mask(model, x[b], y[b])
+        for g, value in ((g_pi, random_order_from_table(*table)[1]), (g_elbo, elbo_from_table(*table))):
+            g += flat_grad(model, torch.autograd.grad(scale[b] * value, params, retain_graph=True, allow_unused=True)).double().cpu()
     g_traj = _gradient(model, _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))[0]
     bgpo = [_gradient(model, _bgpo_run(model, x, y, A, 16, torch.Generator().manual_seed(r)))[0] for r in range(4)]
     rows = {"exact ELBO gradient": g_elbo, "BGPO, n_t = 16 (one draw, mean of 4)": None,

@@ -182,6 +182,8 @@ def lab_sampler(task, prompts, args):
     return {"remasking": args.remasking, "prior": stp_prior(task, prompts) if args.anchors else None,
             "early_stop": args.stp_tau}
 
-def flat_grad(model):
-    """The accumulated gradient as one flat vector (zeros for parameters backward did not reach)."""
-    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()])
+def flat_grad(model, grads=None):
+    """The accumulated gradient, or the given per-parameter gradients (torch.autograd.grad's), as one flat
+    vector, with zeros for the parameters that backward did not reach."""
+    grads = [p.grad for p in model.parameters()] if grads is None else grads
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(model.parameters(), grads)])
