@@ -69,7 +69,7 @@ def test_mean_of_runs_averages_each_step_over_the_runs_that_have_it():
                                          {"step": 2, "reward": pytest.approx(0.2)}]
 
 def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_estimators, "N_T", (1, 4))                    # fewer rows: the pipeline, not the numbers
+    monkeypatch.setattr(bench_estimators, "N_T", (1, 2))                    # fewer rows: the pipeline, not the numbers
     monkeypatch.setattr(bench_estimators, "REPEATS", 2)
     monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (2, 4))
     monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)            # d1's 2^12 prompt masks: tested elsewhere
