@@ -21,7 +21,7 @@ def shared_out(tmp_path_factory):
                                               ("dtrpo", [])])
 def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
     tmp_path = shared_out                                                  # one SFT model for the three runs
-    history = rl.main(tiny_argv(tmp_path, "--objective", objective, *extra))
+    history = rl.main(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra))  # they only need to run
     assert [h["step"] for h in history] == [0, 1, 2]
     run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
     records = figures.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
@@ -69,9 +69,9 @@ def test_mean_of_runs_averages_each_step_over_the_runs_that_have_it():
                                          {"step": 2, "reward": pytest.approx(0.2)}]
 
 def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_estimators, "N_T", (1, 2))                    # fewer rows: the pipeline, not the numbers
+    monkeypatch.setattr(bench_estimators, "N_T", (1,))                      # one row: the pipeline, not the numbers
     monkeypatch.setattr(bench_estimators, "REPEATS", 2)
-    monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (2, 4))
+    monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (4, 2))
     monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)            # d1's 2^12 prompt masks: tested elsewhere
     bench_estimators.main(tiny_argv(tmp_path, "--task", "countdown", "--sft-steps", "20"))  # SFT first
     result = json.loads((tmp_path / "estimators_countdown.json").read_text())
