@@ -437,7 +437,8 @@ def run_rl(args, task, model, objective=None, on_step=None):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         g.set_state(state["rng"])
-        start, history, lines = state["step"] + 1, state["history"], open(log_path).read().splitlines()
+        start, history = state["step"] + 1, state["history"]
+        lines = open(log_path).read().splitlines() if os.path.exists(log_path) else []
         print(f"resumed {ckpt_path} at step {state['step']}")
     else:
         os.makedirs(run_dir, exist_ok=True)
@@ -503,9 +504,9 @@ def bench_batch(task, args):
     B, g = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     prompts, answers = task.sample(B, "train", g)
     x, y = encode(task, prompts, answers, device=args.device)
-    A = group_advantages(torch.rand(B, generator=g).to(torch.get_default_dtype()), args.group_size)
+    rewards = torch.rand(B, generator=g).to(torch.get_default_dtype())
     commit = torch.rand(B, task.gen_len, generator=g).argsort(1).argsort(1).to(args.device)
-    return Rollouts(prompts, x, y, commit, answers, A), A.to(args.device), g
+    return Rollouts(prompts, x, y, commit, answers, rewards), group_advantages(rewards, args.group_size).to(args.device), g
 
 def measure_update(model, optimizer, objective, batch, A, args, generator, **settings):
     """One update of `objective` on the whole batch, --bench-repeats times, settings (mc_samples, mc_chunk)
