@@ -95,8 +95,11 @@ def split_by_sign(objective, stats):
 
 def lab_objective(args, stats):
     """--objective's Objective with the lab's sampler, advantages (d1's, --neg-weight) and split update."""
-    base = (d1_advantages if args.d1_advantages else bgpo.group_advantages)
-    advantages = lambda rewards, G: (lambda A: torch.where(A < 0, args.neg_weight * A, A))(base(rewards, G))
+    base = d1_advantages if args.d1_advantages else bgpo.group_advantages
+
+    def advantages(rewards, G):
+        A = base(rewards, G)
+        return torch.where(A < 0, args.neg_weight * A, A)
     return split_by_sign(dataclasses.replace(OBJECTIVES[args.objective], sampler=lab_sampler, advantages=advantages), stats)
 
 # -----------------------------------------------------------------------------
