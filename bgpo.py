@@ -154,12 +154,18 @@ def bgpo_bound(d, A, n_t, clip_eps=None):
     ratio = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())  # no exp where unused: no inf*0 grads
     return ppo_clip(ratio, A, clip_eps) / n_t
 
+def log_ratio(terms, old_terms, L):
+    """d_j = (l_j(theta) - l_j(old)) / L, the per-token log-ratio. old_terms None means on-policy with one
+    update per batch: the old policy is the current one, so its terms are these terms, detached
+    (d = 0, the gradient is that of l_j / L), and no extra forward pass is needed to compute them."""
+    return (terms - (terms.detach() if old_terms is None else old_terms)) / L
+
 def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
     """-mean_b R_hat_b. One forward over all B*M masked copies; the caller calls backward,
     and until then autograd keeps the activations of all M samples: memory grows with M."""
     _check_shapes(prompts, completions, mc, old_terms, advantages)
     terms = elbo_terms(model, prompts, completions, mc)              # (B, M)
-    d = (terms - old_terms) / completions.shape[1]                    # per-token log-ratio
+    d = log_ratio(terms, old_terms, completions.shape[1])
     return -naive_objective(d, advantages.to(d), clip_eps).mean()
 
 def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None, mc_chunk=1):
@@ -169,12 +175,12 @@ def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_e
     _check_shapes(prompts, completions, mc, old_terms, advantages)
     if not isinstance(mc_chunk, int) or mc_chunk < 1:
         raise ValueError(f"mc_chunk: must be a positive int, got {mc_chunk!r}")
-    M, L = old_terms.shape[1], completions.shape[1]
+    M, L = mc.weight.shape[1], completions.shape[1]
     total = 0.0
     for j in range(0, M, mc_chunk):
         part = slice(j, j + mc_chunk)
         terms = elbo_terms(model, prompts, completions, mc[part])     # (B, m)
-        d = (terms - old_terms[:, part]) / L
+        d = log_ratio(terms, None if old_terms is None else old_terms[:, part], L)
         loss = -bgpo_bound(d, advantages.to(d), M, clip_eps).sum(1).mean()
         loss.backward()
         total += loss.item()
@@ -239,7 +245,8 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
 # -----------------------------------------------------------------------------
 # 4. The pipeline: SFT on demonstrations, then RL with the verifier
 
-SFT_STEPS = {"arithmetic": 1200, "countdown": 1500, "sudoku": 115}  # default --sft-steps per task
+DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}        # default --demos per task
+SFT_STEPS = {"arithmetic": 2000, "countdown": 2000, "sudoku": 2000}  # default --sft-steps per task
 
 class RunError(ValueError):  # bad input, a bad checkpoint or a diverged run: one line, exit code 2
     pass
@@ -296,7 +303,8 @@ def load_checkpoint(path, task, config=None):
 
 def sft_path(args):
     """The SFT checkpoint's name records every setting that changes it, so a matching one is reused."""
-    return os.path.join(args.out_dir, f"sft_{args.task}_{args.sft_steps}x{args.batch_size}_lr{args.sft_lr:g}"
+    return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{args.batch_size}_lr{args.sft_lr:g}"
+                                      f"_val{args.val_size}e{args.sft_eval_every}p{args.sft_patience}"
                                       f"_l{args.n_layer}h{args.n_head}e{args.n_embd}_seed{args.seed}.pt")
 
 def load_model(path, task, args):
@@ -312,34 +320,111 @@ def sft_model(args, task):
     print(f"loaded the SFT model from {sft_path(args)} ({model.num_params():,} parameters)")
     return model
 
+def demonstrations(task, args):
+    """SFT's data: --demos training problems with their reference answers, drawn once from the seed
+    (the same set on every run and resume), or, with --demos 0, fresh ones at every step."""
+    return task.sample(args.demos, "train", 10_000 + args.seed) if args.demos else None
+
+def validation(task, args):
+    return task.sample(args.val_size, "validation", 4321)[0]   # prompts only: the verifier scores them
+
+def sft_batches(task, args, generator):
+    """An endless stream of (x, y) SFT batches: random draws from the demonstrations, or fresh problems."""
+    demos = demonstrations(task, args)
+    if demos is None:
+        while True:
+            yield encode(task, *task.sample(args.batch_size, "train", generator), device=args.device)
+    x, y = encode(task, *demos, device=args.device)
+    while True:
+        rows = torch.randint(len(demos[0]), (args.batch_size,), generator=generator).to(args.device)
+        yield x[rows], y[rows]
+
+def sft_step(model, optimizer, x, y, lr, generator):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = sft_loss(model, x, y, generator=generator)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
 def run_sft(args, task):
-    """Minimise the negative ELBO of the reference answers (tiny_dllm.sft_loss), fresh problems each step."""
+    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss). Every --sft-eval-every
+    steps, greedy answers to the validation problems are scored by the verifier (no answers needed);
+    the model with the best validation reward is kept, and SFT stops once it has not improved for
+    --sft-patience evaluations: more SFT on a few hundred demonstrations memorises them."""
     torch.manual_seed(args.seed)  # the initial weights
     model = make_model(task, args).to(args.device)
-    print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd}")
+    print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
+          + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
-    g, warmup = torch.Generator().manual_seed(args.seed), min(100, args.sft_steps // 10)
-    bar = tqdm(range(args.sft_steps), desc=f"SFT {args.task}", disable=None)  # hidden when not on a terminal
-    t_start = last_print = time.time()
-    for step in bar:
-        x, y = encode(task, *task.sample(args.batch_size, "train", g), device=args.device)
-        for group in optimizer.param_groups:  # linear warmup, then cosine decay to 10%
-            group["lr"] = args.sft_lr * min(1.0, (step + 1) / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.sft_steps)))
-        loss = sft_loss(model, x, y, generator=g)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        if bar.disable and (time.time() - last_print >= 30 or step + 1 == args.sft_steps):
-            last_print, rate = time.time(), (step + 1) / (time.time() - t_start)
-            print(f"SFT step {step + 1}/{args.sft_steps} | loss {loss.item():.4f} | {rate:.1f} steps/s | "
-                  f"{(args.sft_steps - step - 1) / rate:.0f} s left")
-    save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                    config=asdict(model.config), step=args.sft_steps, model=model.state_dict())
-    print(f"saved {sft_path(args)}")
+    g = torch.Generator().manual_seed(args.seed)
+    batches, val_prompts, test_prompts = sft_batches(task, args, g), validation(task, args), held_out(task, args)
+    best, curve, t_start, losses = None, [], time.time(), []
+    for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False, disable=None):  # bar on a terminal only
+        losses.append(sft_step(model, optimizer, *next(batches), sft_lr_at(args, step), g))
+        if step % args.sft_eval_every and step < args.sft_steps:
+            continue
+        val, test = evaluate(model, task, val_prompts, args), evaluate(model, task, test_prompts, args)
+        curve.append({"step": step, "loss": sum(losses) / len(losses), "val_reward": val["reward"], "val_accuracy": val["accuracy"],
+                      "accuracy": test["accuracy"], "reward": test["reward"], "seconds": time.time() - t_start})
+        losses, improved = [], best is None or val["reward"] > best["val_reward"]
+        if improved:
+            best = curve[-1]
+            save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos, config=asdict(model.config),
+                            step=step, model=model.state_dict(), curve=curve)
+        tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward {val['reward']:.3f} "
+              f"(accuracy {val['accuracy']:5.1%}) | held-out accuracy {test['accuracy']:5.1%} | {curve[-1]['seconds']:.0f} s"
+              + (" | best so far" if improved else ""))
+        if step - best["step"] >= args.sft_patience * args.sft_eval_every:
+            print(f"SFT stops: no better validation reward for {args.sft_patience} evaluations")
+            break
+    state = load_checkpoint(sft_path(args), task, model.config)
+    state["curve"] = curve  # the whole curve, also the evaluations after the best one
+    save_checkpoint(sft_path(args), **state)
+    model.load_state_dict(state["model"])
+    print(f"kept the SFT model of step {best['step']} (validation reward {best['val_reward']:.3f}, held-out accuracy "
+          f"{best['accuracy']:.1%}): {sft_path(args)}")
     return model
+
+def sft_lr_at(args, step):
+    """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
+    warmup = min(100, args.sft_steps // 10)
+    return args.sft_lr * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step - 1, args.sft_steps) / args.sft_steps)))
+
+def run_control(args, task):
+    """The control for RL: SFT continued from the selected SFT model, on the same demonstrations and its
+    learning-rate schedule, for the training time the RL run --run-name took (its log's seconds)."""
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
+    budget = sum(r.get("seconds", 0.0) for r in records)
+    state = load_checkpoint(sft_path(args), task)
+    model = load_model(sft_path(args), task, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
+    g, test_prompts = torch.Generator().manual_seed(args.seed + 2), held_out(task, args)
+    batches, start, spent, step = sft_batches(task, args, g), state["step"], 0.0, state["step"]
+    result = evaluate(model, task, test_prompts, args)
+    print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that {args.run_name} took\n"
+          f"SFT step {step:5d} | held-out accuracy {result['accuracy']:5.1%} (reward {result['reward']:.3f}) | 0 s")
+    curve, next_eval = [{"step": step, "seconds": 0.0, "accuracy": result["accuracy"], "reward": result["reward"]}], budget / 8
+    while spent < budget:
+        t0, step = time.time(), step + 1
+        sft_step(model, optimizer, *next(batches), sft_lr_at(args, step), g)
+        spent += time.time() - t0
+        if spent >= min(next_eval, budget):  # 8 evaluations, spread over the time budget
+            result, next_eval = evaluate(model, task, test_prompts, args), next_eval + budget / 8
+            curve.append({"step": step, "seconds": spent, "accuracy": result["accuracy"], "reward": result["reward"]})
+            print(f"SFT step {step:5d} | held-out accuracy {result['accuracy']:5.1%} (reward {result['reward']:.3f}) | {spent:.0f} s")
+    with open(os.path.join(run_dir, "control.jsonl.tmp"), "w") as f:
+        f.writelines(json.dumps(c) + "\n" for c in curve)
+    os.replace(os.path.join(run_dir, "control.jsonl.tmp"), os.path.join(run_dir, "control.jsonl"))
+    rl = [r for r in records if "accuracy" in r]
+    for name, accuracy in (("SFT model", curve[0]["accuracy"]), (f"SFT continued, {step - start} steps", curve[-1]["accuracy"]),
+                           (f"SFT + RL, {rl[-1]['step']} RL steps", rl[-1]["accuracy"])):
+        print(f"{name:>32} {accuracy:>6.1%}")
+    print(f"written to {os.path.join(run_dir, 'control.jsonl')}")
+    return curve
 
 @dataclass
 class Rollouts:
@@ -375,8 +460,11 @@ class Objective:
     advantages: Callable = group_advantages
 
 def elbo_draws(model, batch, args, generator):
-    """n_t masked copies per completion, and the rollout policy's terms on the very same masks."""
+    """n_t masked copies per completion, and the rollout policy's terms on the very same masks: needed
+    only when several updates use one batch (on-policy they are the update's own terms, detached)."""
     mc = draw_mc_samples(len(batch.prompts), batch.y.shape[1], args.mc_samples, generator).to(args.device)
+    if args.updates_per_batch == 1:
+        return {"mc": mc, "old_terms": None}
     with torch.no_grad():
         return {"mc": mc, "old_terms": elbo_terms(model, batch.x, batch.y, mc)}       # (B, M)
 
@@ -458,6 +546,7 @@ def run_rl(args, task, model, objective=None, on_step=None):
         batch = sample_rollouts(model, task, task.sample(args.prompts_per_step, "train", g)[0], G, args, g, objective.sampler)
         # 3. the verifier's rewards -> group-relative advantages (Eq. 18)
         A = objective.advantages(batch.rewards, G).to(args.device)                  # (B,)
+        A = torch.where(A < 0, args.neg_weight * A, A)  # learn more from successes than from failures
         # 4. fixed once per batch: the MC draws, and the old policy's terms on the very same masks
         state = objective.prepare(model, batch, args, g)
         # 5. the update(s): BGPO's is bgpo_update above, one backward per MC sample (bgpo_backward)
@@ -578,7 +667,8 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     p = ArgumentParser(prog=prog, description=description, conflict_handler="resolve")
     a = p.add_argument
     # what to run
-    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from the SFT checkpoint), or both, reusing a matching SFT checkpoint (default: %(default)s)")
+    a("--stage", choices=["sft", "rl", "all", "control"], default="all", help="sft, rl (from the SFT checkpoint), or both, reusing a matching SFT "
+      "checkpoint; control: SFT continued from the SFT checkpoint for the wall time of the RL run --run-name (default: %(default)s)")
     a("--task", default="countdown", help=f"one of {', '.join(TASKS)} (default: %(default)s)")
     a("--seed", type=int, default=0, help="seed for weights, data and sampling (default: %(default)s)")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps (default: %(default)s)")
@@ -590,9 +680,13 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--n-head", type=positive_int, default=4, help="attention heads (default: %(default)s)")
     a("--n-embd", type=positive_int, default=128, help="embedding width (default: %(default)s)")
     # SFT
-    a("--sft-steps", type=positive_int, default=None, help=f"SFT steps (default: per task, {SFT_STEPS})")
+    a("--demos", type=non_negative_int, default=None, help=f"training problems with answers that SFT learns from; 0: fresh ones every step (default: per task, {DEMOS})")
+    a("--sft-steps", type=positive_int, default=None, help=f"most SFT steps; the cosine schedule spans them (default: per task, {SFT_STEPS})")
     a("--sft-lr", type=positive_float, default=1e-3, help="SFT peak learning rate (default: %(default)s)")
     a("--batch-size", type=positive_int, default=128, help="SFT batch size (default: %(default)s)")
+    a("--sft-eval-every", type=positive_int, default=50, help="SFT steps between validation scores (default: %(default)s)")
+    a("--sft-patience", type=positive_int, default=4, help="stop SFT after this many scores without a better validation reward (default: %(default)s)")
+    a("--val-size", type=positive_int, default=200, help="validation problems, scored by the verifier to choose the SFT model (default: %(default)s)")
     # RL
     a("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's lower bound or the naive ELBO objective (default: %(default)s)")
     a("--mc-samples", type=positive_int, default=16, help="MC samples n_t per completion (default: %(default)s)")
@@ -602,6 +696,7 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each (default: %(default)s)")
     a("--rl-lr", type=positive_float, default=5e-5, help="RL learning rate (default: %(default)s)")
     a("--rl-warmup", type=non_negative_int, default=0, help="RL steps of linear learning-rate warmup (default: %(default)s)")
+    a("--neg-weight", type=float, default=0.5, help="weight of negative advantages, in [0, 1] (default: %(default)s)")
     a("--prompts-per-step", type=positive_int, default=16, help="prompts per RL step (default: %(default)s)")
     a("--group-size", type=positive_int, default=8, help="completions per prompt, G (default: %(default)s)")
     a("--temperature", type=float, default=1.0, help="rollout temperature; evaluation is greedy (default: %(default)s)")
@@ -621,6 +716,7 @@ def check_args(p, args):
     L = get_task(args.task).gen_len
     blocks = math.ceil(L / (args.block_len or L))
     args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
+    args.demos = DEMOS[args.task] if args.demos is None else args.demos
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}_seed{args.seed}"
     available = {"auto": True, "cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     for bad, message in (
@@ -629,11 +725,14 @@ def check_args(p, args):
             (args.mc_chunk > 1 and args.objective != "bgpo", f"--mc-chunk is an option of --objective bgpo, not {args.objective}"),
             (args.mc_chunk > args.mc_samples, f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}"),
             (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
+            (not 0 <= args.neg_weight <= 1, f"--neg-weight must be in [0, 1], got {args.neg_weight}"),
             ((args.block_len or 0) > L or (args.gen_steps or 0) > L, f"--block-len and --gen-steps must be at most the completion length {L} of {args.task}"),
             ((args.gen_steps or blocks) < blocks, f"--gen-steps must be at least the number of blocks, {blocks}"),
             (args.resume and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "ckpt.pt")),
              f"--resume: no run to resume at {os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}"),
-            (args.resume and args.stage == "sft", "--resume continues an RL run; use it with --stage rl or all"),
+            (args.resume and args.stage in ("sft", "control"), "--resume continues an RL run; use it with --stage rl or all"),
+            (args.stage == "control" and not os.path.isfile(os.path.join(args.out_dir, args.run_name, "log.jsonl")),
+             f"--stage control runs for as long as the RL run did: no RL log at {os.path.join(args.out_dir, args.run_name, 'log.jsonl')}"),
             (not available.get(args.device), f"--device {args.device} is not available here")):
         if bad:
             p.error(message)
@@ -652,6 +751,8 @@ def run(args, objective=None, on_step=None, rl_task=None):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     task, t0 = get_task(args.task), time.time()
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
+    if args.stage == "control":
+        return run_control(args, task)
     model = sft_model(args, task)
     if args.stage == "sft":
         result = evaluate(model, task, held_out(task, args), args)

@@ -93,15 +93,20 @@ def _rng(generator_or_seed):
         raise ValueError(f"generator_or_seed: expected an int or torch.Generator, got {type(generator_or_seed).__name__}")
     return random.Random(seed)
 
-def _split_of(key, test_percent):
-    """Deterministic split: a problem is in 'test' iff the hash of its key falls in the first bucket."""
-    return "test" if zlib.crc32(key.encode()) % 100 < test_percent else "train"
+SPLITS = ("train", "validation", "test")
+
+def _split_of(key, test_percent, validation_percent):
+    """Deterministic split by the hash of a problem's key into 100 buckets: the first test_percent
+    are 'test', the next validation_percent 'validation' (for choosing the SFT checkpoint without
+    looking at the test set), the rest 'train'. A problem is in exactly one split."""
+    bucket = zlib.crc32(key.encode()) % 100
+    return "test" if bucket < test_percent else "validation" if bucket < test_percent + validation_percent else "train"
 
 def _check_sample_args(n, split):
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n: expected a positive int, got {n!r}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
 
 def _answer_text(completion):
     """The part of a completion a reward reads: up to the first '$' (decoded EOS), capped in length."""
@@ -194,6 +199,7 @@ class Arithmetic(Task):
     digits: int = 3
     name: str = "arithmetic"
     test_percent: int = 10
+    validation_percent: int = 5
 
     def __post_init__(self):
         self.prompt_len = 2 * self.digits + 2      # "999+999="
@@ -205,7 +211,7 @@ class Arithmetic(Task):
         prompts, answers = [], []
         while len(prompts) < n:
             a, b = rng.randint(0, hi), rng.randint(0, hi)
-            if _split_of(f"{a}+{b}", self.test_percent) == split:
+            if _split_of(f"{a}+{b}", self.test_percent, self.validation_percent) == split:
                 prompts.append(f"{a}+{b}=")
                 answers.append(str(a + b))
         return prompts, answers
@@ -253,6 +259,7 @@ class Countdown(Task):
     max_target: int = 100
     name: str = "countdown"
     test_percent: int = 10
+    validation_percent: int = 5
 
     def __post_init__(self):
         self.prompt_len = 12   # "20,20,20:100"
@@ -269,7 +276,7 @@ class Countdown(Task):
                 continue
             prompt = ",".join(map(str, numbers)) + f":{int(value)}"
             key = ",".join(map(str, sorted(numbers))) + f":{int(value)}"
-            if _split_of(key, self.test_percent) == split:
+            if _split_of(key, self.test_percent, self.validation_percent) == split:
                 prompts.append(prompt)
                 answers.append(expr)
         return prompts, answers
@@ -326,12 +333,13 @@ def _sudoku_solutions(cells):
 @dataclass
 class Sudoku(Task):
     """A 4x4 grid with blanks ('.') and exactly one solution; rows are separated by '|' in the
-    prompt. The answer is the full solved grid as 16 digits. Train and test are split by solution
-    grid, so no test solution is ever seen in training."""
+    prompt. The answer is the full solved grid as 16 digits. Train, validation and test are split
+    by solution grid, so no test solution is ever seen in training."""
     min_blanks: int = 10
     max_blanks: int = 12
     name: str = "sudoku"
     test_percent: int = 20
+    validation_percent: int = 10
 
     def __post_init__(self):
         self.prompt_len = 19   # "12.4|3.1.|....|..3."
@@ -340,7 +348,7 @@ class Sudoku(Task):
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)
         rng = _rng(generator_or_seed)
-        grids = [g for g in SUDOKU_GRIDS if _split_of(g, self.test_percent) == split]
+        grids = [g for g in SUDOKU_GRIDS if _split_of(g, self.test_percent, self.validation_percent) == split]
         prompts, answers = [], []
         while len(prompts) < n:
             grid = rng.choice(grids)

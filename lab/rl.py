@@ -6,9 +6,9 @@ bgpo.py's RL loop with the field's objectives and the lab's diagnostics:
 What the lab adds to bgpo.run_rl, all through its plug-in points (an Objective and an on_step hook):
 1. The field's objectives (lab/objectives.py), with their own defaults: d1's and STP's mu = 4 inner
    updates, d1's clip 0.5, STP's num_t = 3 (--mc-samples) and early stop 0.75 (--stp-tau).
-2. Options: --remasking random (rollouts whose exact policy gradient is known), --neg-weight (scale
-   the negative advantages), --d1-advantages, --no-anchors, --rl-pool N (practise on a fixed pool of
-   N training problems and report the accuracy on them beside the held-out one).
+2. Options: --remasking random (rollouts whose exact policy gradient is known), --d1-advantages,
+   --no-anchors, --rl-pool N (practise on a fixed pool of N training problems and report the
+   accuracy on them beside the held-out one).
 3. Diagnostics in log.jsonl: the update is built in two parts, the rows with A > 0 and those with
    A < 0 (each part's A scaled by its share of the rows, so they add up to the same step), logged as
    grad_pos, grad_neg and their cosine cos_pos_neg; the policy's first-step prediction entropy; the
@@ -39,7 +39,6 @@ def make_parser():
     a("--no-anchors", action="store_true", help="STP without its spatial pruning (no anchors), for the ablation (default: %(default)s)")
     a("--d1-advantages", action="store_true", help="diffu-grpo with d1's advantage, reward minus group mean (default: z-scored, Eq. 18)")
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence", help="which positions a rollout step commits: the most confident, or uniformly random ones (default: %(default)s)")
-    a("--neg-weight", type=float, default=1.0, help="scale of the negative advantages, in [0, 1] (default: %(default)s)")
     a("--rl-pool", type=bgpo.non_negative_int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder, if matplotlib is installed (default: %(default)s)")
     a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
@@ -60,8 +59,6 @@ def parse_args(argv=None):
     args.updates_per_batch = args.updates_per_batch or (4 if args.objective in FIELD else 1)
     args.clip_eps = args.clip_eps or (0.5 if args.objective == "diffu-grpo" else 0.2)
     args.anchors = stp and not args.no_anchors and args.task == "sudoku"   # the other tasks have no anchors
-    if not 0 <= args.neg_weight <= 1:
-        p.error(f"--neg-weight must be in [0, 1], got {args.neg_weight}")
     if args.objective == "trajectory" and args.updates_per_batch > 1:
         p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1")
     if 0 < args.rl_pool < args.prompts_per_step:
@@ -94,12 +91,8 @@ def split_by_sign(objective, stats):
     return dataclasses.replace(objective, backward=backward)
 
 def lab_objective(args, stats):
-    """--objective's Objective with the lab's sampler, advantages (d1's, --neg-weight) and split update."""
-    base = d1_advantages if args.d1_advantages else bgpo.group_advantages
-
-    def advantages(rewards, G):
-        A = base(rewards, G)
-        return torch.where(A < 0, args.neg_weight * A, A)
+    """--objective's Objective with the lab's sampler, advantages (d1's or Eq. 18's) and split update."""
+    advantages = d1_advantages if args.d1_advantages else bgpo.group_advantages
     return split_by_sign(dataclasses.replace(OBJECTIVES[args.objective], sampler=lab_sampler, advantages=advantages), stats)
 
 # -----------------------------------------------------------------------------
