@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import bgpo
+import tasks
 from bgpo import (ActivationMemory, Objective, Rollouts, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms,
                   exact_elbo, group_advantages, naive_loss, naive_objective, random_order_log_likelihood)
 from tasks import TOKENIZER, get_task
@@ -123,18 +124,21 @@ def test_tokenizer_round_trip():
         TOKENIZER.encode("1+a")
 
 @pytest.mark.parametrize("name", TASK_NAMES)
-def test_train_and_test_splits_are_disjoint(name):
+def test_train_validation_and_test_splits_are_disjoint(name):
     task = get_task(name)
-    train_p, train_a = task.sample(3000, "train", 0)
-    test_p, test_a = task.sample(300, "test", 1)
     if name == "sudoku":  # split by solution grid
-        assert not set(train_a) & set(test_a)
+        key = lambda p, a: a
     elif name == "countdown":  # the same numbers in another order are the same problem
-        key = lambda p: (tuple(sorted(p.split(":")[0].split(","))), p.split(":")[1])
-        assert not {key(p) for p in train_p} & {key(p) for p in test_p}
+        key = lambda p, a: (tuple(sorted(p.split(":")[0].split(","))), p.split(":")[1])
     else:
-        assert not set(train_p) & set(test_p)
-    assert all(task.reward(p, a) == 1.0 for p, a in zip(test_p, test_a)), "reference answers must score 1"
+        key = lambda p, a: p
+    keys = {}
+    for i, split in enumerate(("train", "validation", "test")):
+        prompts, answers = task.sample(3000 if split == "train" else 300, split, i)
+        assert all(task.reward(p, a) == 1.0 for p, a in zip(prompts, answers)), "reference answers must score 1"
+        keys[split] = set(map(key, prompts, answers))
+    for a, b in itertools.combinations(keys, 2):
+        assert not keys[a] & keys[b], f"{name}: {a} and {b} share problems"
 
 REWARDS = [  # task, prompt, completion, reward worked out by hand
     ("arithmetic", "482+517=", "999", 1.0),
@@ -260,6 +264,19 @@ def test_bgpo_gradient_equals_naive_on_policy(mc_chunk):
     rel = (g_naive - g_bgpo).norm() / g_naive.norm()
     assert rel < 1e-8, f"relative difference {rel:.3g}; {report(g_naive, g_bgpo)}"
 
+@pytest.mark.parametrize("loss_of", ["bgpo", "naive"])
+def test_on_policy_old_terms_can_come_from_the_updates_own_forward(loss_of):
+    """With one update per batch the old policy is the current one: old_terms=None (the update's own
+    terms, detached) gives the gradient of a separate no-grad pass over the same masks."""
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    g = {}
+    for name, old in (("separate pass", old_terms), ("own forward", None)):
+        model.zero_grad()
+        bgpo_backward(model, x, y, mc, old, A) if loss_of == "bgpo" else naive_loss(model, x, y, mc, old, A).backward()
+        g[name] = grads(model)
+    assert g["own forward"].abs().max() > 1e-3
+    assert torch.allclose(g["separate pass"], g["own forward"], rtol=1e-10, atol=1e-12), report(*g.values())
+
 def test_clipping_is_inactive_on_policy():
     model, x, y, mc, old_terms, A = on_policy_setup()
     bgpo_backward(model, x, y, mc, old_terms, A)
@@ -349,7 +366,8 @@ def tiny_argv(tmp_path, *extra):
     return ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
             "--sft-steps", "100", "--sft-lr", "3e-3", "--batch-size", "32", "--prompts-per-step", "2",
             "--group-size", "4", "--mc-samples", "4", "--rl-steps", "2", "--eval-size", "8",
-            "--eval-every", "1", "--save-every", "1", "--out-dir", str(tmp_path), "--device", "cpu", *extra]
+            "--eval-every", "1", "--save-every", "1", "--val-size", "16", "--sft-eval-every", "50",
+            "--out-dir", str(tmp_path), "--device", "cpu", *extra]
 
 def tiny_args(tmp_path, *extra):
     return bgpo.parse_args(tiny_argv(tmp_path, *extra))
@@ -429,12 +447,56 @@ def test_run_rl_takes_its_objective_as_a_value_and_calls_prepare_once_per_batch(
     records = read_log(tmp_path / args.run_name / "log.jsonl")
     assert [r["seen"] for r in records] == [False, True, True]
 
-def test_sft_prints_progress_every_30_seconds_when_the_bar_is_hidden(tmp_path, capsys, monkeypatch):
-    clock = itertools.count(0.0, 20.0)                                     # every reading of the clock: 20 s later
-    monkeypatch.setattr(bgpo.time, "time", lambda: next(clock))
-    bgpo.run_sft(tiny_args(tmp_path, "--sft-steps", "10"), get_task("arithmetic"))   # capsys: not a terminal
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("SFT step")]
-    assert len(lines) >= 5 and lines[-1].startswith("SFT step 10/10"), lines
+def test_demonstrations_are_a_fixed_set_of_training_problems(tmp_path):
+    task = get_task("countdown")
+    args = tiny_args(tmp_path, "--task", "countdown", "--demos", "40")
+    prompts, answers = bgpo.demonstrations(task, args)
+    assert len(prompts) == 40 and all(task.reward(p, a) == 1.0 for p, a in zip(prompts, answers))
+    for p in prompts:  # the split is decided by the sorted numbers and the target
+        numbers, target = p.split(":")
+        assert tasks._split_of(",".join(map(str, sorted(map(int, numbers.split(","))))) + ":" + target,
+                               task.test_percent, task.validation_percent) == "train", p
+    again = bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40", "--stage", "rl"))
+    assert again == (prompts, answers), "a later run (RL, the control, a resume) must see the same demonstrations"
+    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40", "--seed", "1")) != again
+    x, y = bgpo.encode(task, prompts, answers)
+    known = {tuple(row) for row in torch.cat([x, y], 1).tolist()}
+    batches = bgpo.sft_batches(task, args, torch.Generator().manual_seed(0))
+    for _ in range(5):                                                    # SFT sees these 40 and nothing else
+        bx, by = next(batches)
+        assert {tuple(row) for row in torch.cat([bx, by], 1).tolist()} <= known
+    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--demos", "0")) is None   # 0: fresh problems each step
+
+def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_patience(tmp_path, monkeypatch):
+    task, real, snapshots = get_task("arithmetic"), bgpo.evaluate, []
+    args = tiny_args(tmp_path, "--sft-steps", "100", "--sft-eval-every", "10", "--sft-patience", "2")
+    val_prompts, scripted = bgpo.validation(task, args), iter([0.2, 0.5, 0.4, 0.3, 0.9])
+
+    def scripted_evaluate(model, task, prompts, args, n_show=3):
+        result = real(model, task, prompts, args, n_show)
+        if prompts == val_prompts:                                          # the validation score at steps 10, 20, ...
+            result["reward"] = next(scripted)
+            snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
+        return result
+
+    monkeypatch.setattr(bgpo, "evaluate", scripted_evaluate)
+    model = bgpo.run_sft(args, task)
+    saved = torch.load(bgpo.sft_path(args), weights_only=True)
+    # best at step 20 (0.5); steps 30 and 40 are not better: patience 2 stops SFT at 40, before 0.9
+    assert saved["step"] == 20 and [c["step"] for c in saved["curve"]] == [10, 20, 30, 40]
+    assert [c["val_reward"] for c in saved["curve"]] == [0.2, 0.5, 0.4, 0.3]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, snapshots[1][name]) and torch.equal(saved["model"][name], value), name
+    assert any(not torch.equal(snapshots[3][n], v) for n, v in snapshots[1].items()), "SFT went on after step 20"
+
+def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path):
+    bgpo.main(tiny_argv(tmp_path))
+    run = tmp_path / "arithmetic_bgpo_nt4_u1_seed0"
+    rl = read_log(run / "log.jsonl")
+    curve = bgpo.main(tiny_argv(tmp_path, "--stage", "control"))
+    assert read_log(run / "control.jsonl") == curve
+    assert curve[0]["accuracy"] == rl[0]["accuracy"], "the control starts from the SFT model RL started from"
+    assert curve[-1]["seconds"] >= sum(r.get("seconds", 0) for r in rl) and curve[-1]["step"] > curve[0]["step"]
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     argv = tiny_argv(tmp_path)
@@ -463,6 +525,11 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--block-len", "11"], "at most the completion length"),
     (["--resume", "--run-name", "nothing-here"], "no run to resume"),
     (["--device", "tpu"], "not available here"),
+    (["--demos", "-1"], "integer >= 0"),
+    (["--sft-patience", "0"], "positive integer"),
+    (["--val-size", "x"], "positive integer"),
+    (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
+    (["--stage", "control", "--run-name", "nothing-here"], "no RL log"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
