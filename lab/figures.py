@@ -22,6 +22,24 @@ def curves_figure(runs):
     return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
                        {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
 
+def stages_figure(sft_curve, rl_records, control=None):
+    """SFT, then RL, against training seconds: the SFT checkpoint's curve (validation and held-out greedy
+    accuracy), and from the selected SFT model on, the RL run's held-out accuracy beside the control's
+    (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records: log.jsonl;
+    control: control.jsonl, if the control was run."""
+    best = max(sft_curve, key=lambda c: c["val_reward"])      # the first best, the one SFT keeps
+    t0, rl, seconds = best["seconds"], [], 0.0
+    for r in rl_records:
+        seconds += r.get("seconds", 0.0)
+        if "accuracy" in r:
+            rl.append((t0 + seconds, r["accuracy"]))
+    lines = [{"label": "SFT: validation accuracy", "x": [c["seconds"] for c in sft_curve], "y": [c["val_accuracy"] for c in sft_curve], "style": "--", "alpha": 0.6},
+             {"label": "SFT: held-out accuracy", "x": [c["seconds"] for c in sft_curve], "y": [c["accuracy"] for c in sft_curve], "style": "o-"},
+             {"label": f"SFT + RL (from SFT step {best['step']})", "x": [x for x, _ in rl], "y": [y for _, y in rl], "style": "o-"}]
+    if control:
+        lines.append({"label": "SFT continued (control)", "x": [t0 + c["seconds"] for c in control], "y": [c["accuracy"] for c in control], "style": "s-"})
+    return {"panels": [{"title": "greedy accuracy: SFT on the demonstrations, then RL", "xlabel": "training seconds", "lines": lines}]}
+
 def draw(figure, png_path):
     """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
     try:
@@ -30,7 +48,8 @@ def draw(figure, png_path):
         import matplotlib.pyplot as plt
     except ImportError:
         return print(f"matplotlib is not installed; skipped {png_path}")
-    fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(4.2 * len(figure["panels"]), 3.3), squeeze=False)
+    width = figure.get("width", 4.2 * len(figure["panels"]))
+    fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(width, 3.3), squeeze=False)
     for ax, panel in zip(axes[0], figure["panels"]):
         for line in panel["lines"]:
             ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], alpha=line.get("alpha", 1.0), markersize=3)
