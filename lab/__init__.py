@@ -11,3 +11,14 @@ The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.p
 README.md in this folder has what each measured; test_*.py its claims, run with the tutorial's tests.
 Dependencies run one way: lab -> bgpo -> tiny_dllm, tasks.
 """
+import bgpo
+
+# The lab measures in the regime of its README: SFT on fresh demonstrations at every step, then RL with
+# the settings of that time. Every lab command starts from these defaults; each is still a flag.
+EARLIER_DEFAULTS = {"demos": 0, "temperature": 1.0, "neg_weight": 1.0, "rl_lr": 5e-5, "mc_samples": 16}
+
+def make_parser(prog, description):
+    """bgpo.py's flags with the lab's defaults."""
+    p = bgpo.make_parser(prog, description)
+    p.set_defaults(**EARLIER_DEFAULTS)
+    return p

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import bgpo
+import lab
 from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_from_table, elbo_terms,
                   exact_elbo, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table, sample_rollouts)
 from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments, diffucoder_moments,
@@ -318,7 +319,7 @@ def bench_estimators(args, task, model):
         draw(estimators_figure(results), os.path.join(args.out_dir, f"estimators_{task.name}.png"))
 
 def main(argv=None):
-    p = bgpo.make_parser("python -m lab.bench_estimators", "Every likelihood estimator against exact enumeration, on "
+    p = lab.make_parser("python -m lab.bench_estimators", "Every likelihood estimator against exact enumeration, on "
                          "the SFT model's rollouts (the SFT model is trained first if --out-dir has none).")
     p.add_argument("--plot", action="store_true", help="draw the Fig. 3 PNG, if matplotlib is installed (default: %(default)s)")
     args = bgpo.check_args(p, p.parse_args(argv))

@@ -10,6 +10,7 @@ import os
 import torch
 
 import bgpo
+import lab
 from bgpo import bench_batch, make_model, measure_update
 from lab.figures import draw
 from lab.objectives import OBJECTIVES
@@ -45,7 +46,7 @@ def every_objective_table(args, task):
     return rows
 
 def parse_args(argv=None):
-    p = bgpo.make_parser("python -m lab.bench_memory", "Activation memory and time of one update of every RL objective.")
+    p = lab.make_parser("python -m lab.bench_memory", "Activation memory and time of one update of every RL objective.")
     p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it (the paper's "
                    "Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed (default: %(default)s)")
     args = bgpo.check_args(p, p.parse_args(argv))

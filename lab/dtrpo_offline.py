@@ -13,6 +13,7 @@ import copy
 import torch
 
 import bgpo
+import lab
 from bgpo import evaluate, held_out, sample_rollouts
 from lab.estimators import dtrpo_log_likelihood, trajectory_log_likelihood
 from lab.objectives import dtrpo_dpo_loss
@@ -74,7 +75,7 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
 
 
 def main(argv=None):
-    p = bgpo.make_parser("python -m lab.dtrpo_offline", "dTRPO as published: DPO on the SFT model's solved and unsolved "
+    p = lab.make_parser("python -m lab.dtrpo_offline", "dTRPO as published: DPO on the SFT model's solved and unsolved "
                          "rollouts (the SFT model is trained first if --out-dir has none).")
     args = bgpo.check_args(p, p.parse_args(argv))
     task = bgpo.get_task(args.task)

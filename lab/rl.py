@@ -21,6 +21,7 @@ import os
 import torch
 
 import bgpo
+import lab
 from bgpo import evaluate, positive_float, positive_int, rows_of
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler
@@ -29,7 +30,7 @@ from tasks import get_task
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 
 def make_parser():
-    p = bgpo.make_parser("python -m lab.rl", "bgpo.py's SFT and RL with the field's objectives and the lab's diagnostics.")
+    p = lab.make_parser("python -m lab.rl", "bgpo.py's SFT and RL with the field's objectives and the lab's diagnostics.")
     a = p.add_argument
     a("--objective", choices=list(OBJECTIVES), default="bgpo", help="BGPO, the naive objective, one of the field's methods (lab/objectives.py), or the trajectory control (default: %(default)s)")
     a("--mc-samples", type=positive_int, default=None, help="MC samples n_t per completion, for bgpo, naive and stp (default: 16; STP's num_t: 3)")

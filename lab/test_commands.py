@@ -107,9 +107,9 @@ def test_memory_figure_holds_the_lines_it_draws():
     assert [line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]] and ratio["lines"][0]["y"] == [0.5, 0.5]
 
 def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(tmp_path, capsys):
-    """An SFT model of 100 steps solves no addition: no pair for DPO, one line, exit code 2."""
+    """An SFT model of 10 steps solves no addition: no pair for DPO, one line, exit code 2."""
     with pytest.raises(SystemExit) as e:
-        bgpo.command_line(lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4")), "lab.dtrpo_offline")
+        bgpo.command_line(lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4", "--sft-steps", "10")), "lab.dtrpo_offline")
     err = capsys.readouterr().err
     assert e.value.code == 2 and "give no solved/unsolved pair" in err and err.count("\n") == 1, err
 
