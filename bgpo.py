@@ -8,8 +8,10 @@ Large Language Models", arXiv 2510.11683. Read in this order:
 2. The naive objective (Eq. 6-7) and BGPO's lower bound (Eq. 9-14) side by side: naive_loss and
    bgpo_backward differ only in how many graphs autograd keeps alive. Group advantages (Eq. 18).
 3. Activation memory: ActivationMemory counts the bytes autograd saves for backward.
-4. The pipeline: SFT, then RL (sample, reward, advantage, update). The RL loop takes its objective as
-   a value (Objective): BGPO's and the naive one are here; the lab (lab/) passes in the field's others.
+4. The pipeline. SFT on a few hundred demonstrations (problems with reference answers), keeping the
+   model with the best validation reward; then RL on fresh problems with only the verifier (sample,
+   reward, advantage, update); and the control, SFT continued for RL's time. The RL loop takes its
+   objective as a value (Objective): BGPO's and the naive one are here; the lab passes in the others.
 5. The memory benchmark, the paper's Fig. 1 in small (--bench-memory), and 6. the command line.
 
 Simplifications versus the paper and its official code:
@@ -19,6 +21,7 @@ Simplifications versus the paper and its official code:
 3. No KL term and one update per rollout batch by default, as in the paper's main runs.
 4. Group advantages use the unbiased (n-1) standard deviation, torch.std's default (as in TRL's
    GRPO trainer), and a group whose rewards are all equal gets exactly 0.
+5. Negative advantages are scaled by --neg-weight (0.5 by default; the paper's is 1, --neg-weight 1).
 
 Shapes: B batch (= prompts x G), G group size, M Monte Carlo samples (n_t), L completion length,
 P prompt length, T = P + L, V vocabulary.
