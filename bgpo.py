@@ -248,8 +248,7 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
 # -----------------------------------------------------------------------------
 # 4. The pipeline: SFT on demonstrations, then RL with the verifier
 
-DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}        # default --demos per task
-SFT_STEPS = {"arithmetic": 2000, "countdown": 2000, "sudoku": 2000}  # default --sft-steps per task
+DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
 
 class RunError(ValueError):  # bad input, a bad checkpoint or a diverged run: one line, exit code 2
     pass
@@ -684,7 +683,7 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--n-embd", type=positive_int, default=128, help="embedding width (default: %(default)s)")
     # SFT
     a("--demos", type=non_negative_int, default=None, help=f"training problems with answers that SFT learns from; 0: fresh ones every step (default: per task, {DEMOS})")
-    a("--sft-steps", type=positive_int, default=None, help=f"most SFT steps; the cosine schedule spans them (default: per task, {SFT_STEPS})")
+    a("--sft-steps", type=positive_int, default=2000, help="most SFT steps; the cosine schedule spans them (default: %(default)s)")
     a("--sft-lr", type=positive_float, default=1e-3, help="SFT peak learning rate (default: %(default)s)")
     a("--batch-size", type=positive_int, default=128, help="SFT batch size (default: %(default)s)")
     a("--sft-eval-every", type=positive_int, default=50, help="SFT steps between validation scores (default: %(default)s)")
@@ -718,7 +717,6 @@ def check_args(p, args):
         p.error(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
     L = get_task(args.task).gen_len
     blocks = math.ceil(L / (args.block_len or L))
-    args.sft_steps = args.sft_steps or SFT_STEPS[args.task]
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}_seed{args.seed}"
     available = {"auto": True, "cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
