@@ -341,6 +341,11 @@ def sft_batches(task, args, generator):
         rows = torch.randint(len(demos[0]), (args.batch_size,), generator=generator).to(args.device)
         yield x[rows], y[rows]
 
+def sft_lr_at(args, step):
+    """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
+    warmup = min(100, args.sft_steps // 10)
+    return args.sft_lr * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step - 1, args.sft_steps) / args.sft_steps)))
+
 def sft_step(model, optimizer, x, y, lr, generator):
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -377,8 +382,8 @@ def run_sft(args, task):
             save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos, config=asdict(model.config),
                             step=step, model=model.state_dict(), curve=curve)
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward {val['reward']:.3f} "
-              f"(accuracy {val['accuracy']:5.1%}) | held-out accuracy {test['accuracy']:5.1%} | {curve[-1]['seconds']:.0f} s"
-              + (" | best so far" if improved else ""))
+                   f"(accuracy {val['accuracy']:5.1%}) | held-out accuracy {test['accuracy']:5.1%} | {curve[-1]['seconds']:.0f} s"
+                   + (" | best so far" if improved else ""))
         if step - best["step"] >= args.sft_patience * args.sft_eval_every:
             print(f"SFT stops: no better validation reward for {args.sft_patience} evaluations")
             break
@@ -389,11 +394,6 @@ def run_sft(args, task):
     print(f"kept the SFT model of step {best['step']} (validation reward {best['val_reward']:.3f}, held-out accuracy "
           f"{best['accuracy']:.1%}): {sft_path(args)}")
     return model
-
-def sft_lr_at(args, step):
-    """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
-    warmup = min(100, args.sft_steps // 10)
-    return args.sft_lr * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step - 1, args.sft_steps) / args.sft_steps)))
 
 def run_control(args, task):
     """The control for RL: SFT continued from the selected SFT model, on the same demonstrations and its
@@ -765,7 +765,8 @@ def run(args, objective=None, on_step=None, rl_task=None):
     for name, h in (("SFT model", history[0]), (f"after {history[-1]['step']} RL steps", history[-1])):
         print(f"{name:>22} {h['accuracy']:>9.1%} {h['reward']:>7.3f}")
     print(f"({args.run_name}: {time.time() - t0:.0f} s on {args.device})\nfiles: {sft_path(args)}, "
-          f"{os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}, {os.path.join(args.out_dir, args.run_name, 'log.jsonl')}")
+          f"{os.path.join(args.out_dir, args.run_name, 'ckpt.pt')}, {os.path.join(args.out_dir, args.run_name, 'log.jsonl')}\n"
+          "the control, SFT continued for as long as RL trained: this command with --stage control")
     return history
 
 def main(argv=None):
