@@ -368,14 +368,16 @@ def run_sft(args, task):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(args.seed)
     batches, val_prompts, test_prompts = sft_batches(task, args, g), validation(task, args), held_out(task, args)
-    best, curve, t_start, losses = None, [], time.time(), []
+    best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
     for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False, disable=None):  # bar on a terminal only
+        t0 = time.time()
         losses.append(sft_step(model, optimizer, *next(batches), sft_lr_at(args, step), g))
+        seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
         val, test = evaluate(model, task, val_prompts, args), evaluate(model, task, test_prompts, args)
         curve.append({"step": step, "loss": sum(losses) / len(losses), "val_reward": val["reward"], "val_accuracy": val["accuracy"],
-                      "accuracy": test["accuracy"], "reward": test["reward"], "seconds": time.time() - t_start})
+                      "accuracy": test["accuracy"], "reward": test["reward"], "seconds": seconds})
         losses, improved = [], best is None or val["reward"] > best["val_reward"]
         if improved:
             best = curve[-1]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import bgpo
-from lab import bench_estimators, bench_memory, compare, dtrpo_offline, figures, rl
+from lab import bench_estimators, bench_memory, compare, dtrpo_offline, figures, rl, stages
 from tasks import get_task
 from test_bgpo import tiny_argv
 
@@ -113,7 +113,23 @@ def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(t
     err = capsys.readouterr().err
     assert e.value.code == 2 and "give no solved/unsolved pair" in err and err.count("\n") == 1, err
 
-@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, dtrpo_offline])
+def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_path):
+    sft = [{"step": s, "seconds": 10.0 * s, "val_reward": v, "val_accuracy": v, "accuracy": v / 2}
+           for s, v in ((1, 0.1), (2, 0.3), (3, 0.3), (4, 0.2))]             # kept: step 2, the first best, at 20 s
+    rl_log = [{"step": 0, "accuracy": 0.15}, {"step": 1, "reward": 0.1, "seconds": 4.0},
+              {"step": 2, "reward": 0.2, "seconds": 6.0, "accuracy": 0.25}]
+    control = [{"step": 2, "seconds": 0.0, "accuracy": 0.15}, {"step": 9, "seconds": 10.5, "accuracy": 0.05}]
+    sft_val, sft_test, rl_line, control_line = figures.stages_figure(sft, rl_log, control)["panels"][0]["lines"]
+    assert sft_test["x"] == [10.0, 20.0, 30.0, 40.0] and sft_test["y"] == [0.05, 0.15, 0.15, 0.1]
+    assert rl_line["x"] == [20.0, 30.0] and rl_line["y"] == [0.15, 0.25], "RL's evaluations at its training seconds after SFT's"
+    assert control_line["x"] == [20.0, 30.5] and "step 2" in rl_line["label"]
+    with pytest.raises(SystemExit):
+        stages.main(tiny_argv(tmp_path, "--run-name", "nothing-here"))
+    pytest.importorskip("matplotlib")
+    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
+    assert os.path.getsize(stages.main(tiny_argv(tmp_path, "--rl-steps", "1"))) > 1000
+
+@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, dtrpo_offline, stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])
