@@ -672,7 +672,7 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a = p.add_argument
     # what to run
     a("--stage", choices=["sft", "rl", "all", "control"], default="all", help="sft, rl (from the SFT checkpoint), or both, reusing a matching SFT "
-      "checkpoint; control: SFT continued from the SFT checkpoint for the wall time of the RL run --run-name (default: %(default)s)")
+      "checkpoint; control: SFT continued from the SFT checkpoint for the training seconds of the RL run --run-name (default: %(default)s)")
     a("--task", default="countdown", help=f"one of {', '.join(TASKS)} (default: %(default)s)")
     a("--seed", type=int, default=0, help="seed for weights, data and sampling (default: %(default)s)")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps (default: %(default)s)")
