@@ -6,8 +6,9 @@ The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.p
 - objectives.py: the field's RL objectives (d1's diffu-GRPO, STP, dTRPO, the trajectory control) as
   bgpo.Objective values, and dTRPO's offline DPO loss.
 - rl.py: bgpo.py's RL loop with those objectives and the lab's diagnostics.
-- dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), radd.py: dTRPO as published, every
-  objective's memory, several runs in one figure, RADD's cached sampler.
+- dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), stages.py, radd.py: dTRPO as
+  published, every objective's memory, several runs in one figure, one tutorial run's SFT and RL stages
+  with its control, RADD's cached sampler.
 README.md in this folder has what each measured; test_*.py its claims, run with the tutorial's tests.
 Dependencies run one way: lab -> bgpo -> tiny_dllm, tasks.
 """
