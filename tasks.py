@@ -90,7 +90,8 @@ def _rng(generator_or_seed):
     elif isinstance(generator_or_seed, int):
         seed = generator_or_seed
     else:
-        raise ValueError(f"generator_or_seed: expected an int or torch.Generator, got {type(generator_or_seed).__name__}")
+        raise ValueError("generator_or_seed: expected an int or torch.Generator, "
+                         f"got {type(generator_or_seed).__name__}")
     return random.Random(seed)
 
 SPLITS = ("train", "validation", "test")
@@ -100,7 +101,9 @@ def _split_of(key, test_percent, validation_percent):
     are 'test', the next validation_percent 'validation' (for choosing the SFT checkpoint without
     looking at the test set), the rest 'train'. A problem is in exactly one split."""
     bucket = zlib.crc32(key.encode()) % 100
-    return "test" if bucket < test_percent else "validation" if bucket < test_percent + validation_percent else "train"
+    return ("test" if bucket < test_percent
+            else "validation" if bucket < test_percent + validation_percent
+            else "train")
 
 def _check_sample_args(n, split):
     if not isinstance(n, int) or n < 1:
@@ -320,7 +323,8 @@ def _all_sudoku_grids():
 
 SUDOKU_GRIDS = _all_sudoku_grids()
 # bit n of _HAS[i, d] is set when grid n has digit d at cell i: matching a puzzle is a few ANDs
-_HAS = {(i, d): sum(1 << n for n, g in enumerate(SUDOKU_GRIDS) if g[i] == d) for i in range(16) for d in "1234"}
+_HAS = {(i, d): sum(1 << n for n, g in enumerate(SUDOKU_GRIDS) if g[i] == d)
+        for i in range(16) for d in "1234"}
 
 def _sudoku_solutions(cells):
     """The valid grids that agree with the given cells ('.' = blank; only the first 16 are read)."""
@@ -373,7 +377,8 @@ class Sudoku(Task):
 
     def valid(self, prompt, completion):
         """16 digits in 1-4 that keep the prompt's given cells."""
-        answer, cells = _answer_text(completion)[:16], prompt.replace("|", "") if isinstance(prompt, str) else ""
+        answer, cells = (_answer_text(completion)[:16],
+                         prompt.replace("|", "") if isinstance(prompt, str) else "")
         return (len(answer) == 16 == len(cells) and set(answer) <= set("1234")
                 and all(c in (".", a) for c, a in zip(cells, answer)))
 

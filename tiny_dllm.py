@@ -14,13 +14,14 @@ Simplifications versus LLaDA:
 2. No attention mask: prompts are left-padded with a PAD token that the model simply learns to
    ignore, and every task has one fixed completion length L.
 3. The supervised loss uses one masked copy per sequence, with the mask count k drawn uniformly
-   from 1..L (weight L/k) by default; LLaDA draws t ~ U(0,1) and masks each token with
-   probability t (weight 1/t). Both are unbiased for the same ELBO; on 4-16-token completions the
-   count form's far lower variance makes SFT several times faster, and the 1/t form is available
-   as scheme="iid".
+   from 1..L (weight L/k) by default. LLaDA draws t ~ U(0,1), masks each token with probability
+   p_mask = (1 - eps) t + eps, eps = 1e-3, and weights by 1/p_mask (at most 1000). scheme="iid" here is
+   that form without the floor: t ~ U(0,1], weight 1/t, unbounded, so its variance is infinite
+   (log-divergent as t -> 0). Both forms are unbiased for the same ELBO; on 4-16-token completions the
+   count form's far lower variance makes SFT several times faster.
 
-Shapes: B batch, M Monte Carlo samples, L completion length, P prompt length, T = P + L,
-V vocabulary, C embedding width.
+Shapes: B batch, M Monte Carlo samples (n_t), N rows given to the network (B, or B x M masked copies),
+L completion length, P prompt length, T = P + L, V vocabulary, C embedding width.
 """
 import math
 from dataclasses import dataclass
@@ -99,7 +100,8 @@ class TinyDLLM(nn.Module):
 
     def forward(self, tokens):  # (N, T) long -> (N, T, V) logits
         if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens: expected a (B, T) long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+            raise ValueError(f"tokens: expected a (B, T) long tensor, got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
         N, T = tokens.shape
         if T > self.config.max_len:
             raise ValueError(f"tokens: length {T} exceeds config.max_len={self.config.max_len}")
@@ -118,8 +120,8 @@ def mask_by_count(k, L, generator=None):
     ranks = scores.argsort(dim=1).argsort(dim=1)  # a uniformly random permutation per row
     return ranks < k[:, None]
 
-def forward_process(batch_size, gen_len, n_mc=1, generator=None, scheme="stratified"):
-    """n_mc masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
+def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratified"):
+    """n_t masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
     torch's default dtype. Each copy alone is an unbiased one-sample estimate of the ELBO (Eq. 4).
     "stratified": LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
                   k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1 spread evenly over 1..L, exactly
@@ -127,10 +129,10 @@ def forward_process(batch_size, gen_len, n_mc=1, generator=None, scheme="stratif
                   copy is unbiased; spreading them removes most of the variance between copies.
                   With M = 1 this is the count form: k ~ U{1..L}, weight L/k.
     "iid":        t_j ~ U(0,1], each token masked with probability t_j, weight 1/t_j."""
-    for name, v in (("batch_size", batch_size), ("gen_len", gen_len), ("n_mc", n_mc)):
+    for name, v in (("batch_size", batch_size), ("gen_len", gen_len), ("n_t", n_t)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
-    B, L, M = batch_size, gen_len, n_mc
+    B, L, M = batch_size, gen_len, n_t
     if scheme == "stratified":
         k0 = torch.randint(1, L + 1, (B, 1), generator=generator)
         k = (k0 - 1 + torch.tensor([round(j * L / M) for j in range(M)])) % L + 1      # (B, M)
@@ -162,95 +164,65 @@ def sft_loss(model, prompts, completions, generator=None, scheme="stratified"):
 # -----------------------------------------------------------------------------
 # Sampler: iterative unmasking with low-confidence remasking (LLaDA, Nie et al. 2025)
 
-def _steps_per_block(steps, num_blocks):
+def steps_per_block(steps, num_blocks):
     return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
 
-def _tokens_per_step(block_size, steps):
+def tokens_per_step(block_size, steps):
     """As even as possible: block_size tokens over `steps` steps, the larger counts first."""
     return [block_size // steps + (s < block_size % steps) for s in range(steps)]
 
-@torch.no_grad()
-def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
-             return_steps=False, remasking="low_confidence", prior=None, early_stop=None):
-    """Fill a completion of gen_len tokens, starting all MASK.
+def sample_tokens(logits, temperature, generator=None):
+    """A token per position: argmax at temperature 0, else a sample of softmax(logits / temperature) by the
+    Gumbel-max trick. The noise is drawn on the CPU, so a seed gives the same tokens on every device."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+    gumbel = -torch.log(-torch.log(u)).to(logits.device)
+    return (logits + temperature * gumbel).argmax(-1)
 
-    Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
-    each step predicts every masked position, then commits only the k most confident predictions
-    and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all, remask
-    the least confident. Confidence is the model's probability of the chosen token.
-    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) with
-    the Gumbel-max trick. With return_steps=True also returns the (B, L) step index at which each
-    position was committed. remasking="random" commits k positions of the block chosen uniformly
-    instead of the most confident ones (LLaDA's other option): then the order does not depend on the
-    model, and one token per step samples from the random-order model whose likelihood
-    bgpo.random_order_log_likelihood computes.
-
-    STP's two prunings (Liu et al. 2026), both off by default:
-    prior (B, L): token ids, mask_id where free. The other tokens (anchors) are in place from the
-      start, are never changed, and keep commit step -1; each row spreads its own free positions
-      over the block's steps, and a step at which no row commits anything needs no forward pass.
-    early_stop tau: a row stops committing once int(tau * gen_len) of its tokens are in place
-      (anchors included); when every row has stopped, one more forward pass fills every position
-      still masked with its sampled token, all committed at that last step."""
+def check_sampler_args(gen_len, steps, block_len, temperature):
+    """generate's defaults filled in and checked: (steps, block_len, number of blocks)."""
     steps = gen_len if steps is None else steps
     block_len = gen_len if block_len is None else block_len
     if not 1 <= block_len <= gen_len:
         raise ValueError(f"block_len: expected 1..{gen_len}, got {block_len}")
     num_blocks = math.ceil(gen_len / block_len)
     if not num_blocks <= steps <= gen_len:
-        raise ValueError(f"steps: expected {num_blocks}..{gen_len} (one block per step at least), got {steps}")
+        raise ValueError(f"steps: expected {num_blocks}..{gen_len} (at least one per block), got {steps}")
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    if remasking not in ("low_confidence", "random"):
-        raise ValueError(f"remasking: expected 'low_confidence' or 'random', got {remasking!r}")
-    if prior is not None and tuple(prior.shape) != (prompts.shape[0], gen_len):
-        raise ValueError(f"prior: expected ({prompts.shape[0]}, {gen_len}), got {tuple(prior.shape)}")
-    if early_stop is not None and not 0 < early_stop <= 1:
-        raise ValueError(f"early_stop: expected a fraction in (0, 1], got {early_stop!r}")
+    return steps, block_len, num_blocks
+
+@torch.no_grad()
+def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
+             return_steps=False):
+    """LLaDA's sampler: fill a completion of gen_len tokens, starting all MASK. prompts (B, P).
+
+    Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
+    each step predicts every masked position, then commits only the k most confident predictions
+    and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all, remask
+    the least confident. Confidence is the model's probability of the chosen token; the block's
+    tokens are spread as evenly as possible over its steps. temperature 0 is greedy.
+    With return_steps=True also returns the (B, L) step index at which each position was committed."""
+    steps, block_len, num_blocks = check_sampler_args(gen_len, steps, block_len, temperature)
     B, P = prompts.shape
-    mask_id = model.config.mask_id
-    completion = torch.full((B, gen_len), mask_id, dtype=torch.long) if prior is None else prior
-    x = torch.cat([prompts, completion.to(prompts.device)], 1)
+    completion = torch.full((B, gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
+    x = torch.cat([prompts, completion], 1)                              # (B, T)
     committed_at = torch.full((B, gen_len), -1, dtype=torch.long, device=prompts.device)
-    budget = int(early_stop * gen_len) if early_stop else gen_len      # tokens in place before the early stop
     step = 0
-
-    def predict():
-        logits = model(x).float()                                        # (B, T, V)
-        if temperature > 0:
-            u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)  # drawn on CPU: same on every device
-            gumbel = -torch.log(-torch.log(u)).to(logits.device)
-            return logits, (logits + temperature * gumbel).argmax(-1)    # a sample of softmax(logits/temperature)
-        return logits, logits.argmax(-1)
-
-    for b, block_steps in enumerate(_steps_per_block(steps, num_blocks)):
+    for b, block_steps in enumerate(steps_per_block(steps, num_blocks)):
         lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
-        free = (x[:, lo:hi] == mask_id).sum(1).tolist()                  # per row; all hi - lo without a prior
-        counts = torch.tensor([_tokens_per_step(f, block_steps) for f in free], device=x.device)  # (B, steps)
-        for s in range(block_steps):
-            placed = (x[:, P:] != mask_id).sum(1)
-            k = counts[:, s].masked_fill(placed >= budget, 0)            # tokens each row commits now
-            if not k.any():
-                continue                                                 # nothing to commit: no forward pass
-            logits, x0 = predict()
-            confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]  # (B, T)
-            if remasking == "random":
-                confidence = torch.rand(confidence.shape, generator=generator).to(confidence.device)
-            candidate = x == mask_id
-            candidate[:, :lo] = False
-            candidate[:, hi:] = False                                    # only the current block
-            confidence = confidence.masked_fill(~candidate, -1.0)
-            chosen = confidence.topk(int(k.max()), dim=1).indices        # (B, k_max), most confident first
-            row = torch.arange(B, device=x.device)[:, None].expand_as(chosen)
-            keep = torch.arange(chosen.shape[1], device=x.device) < k[:, None]  # each row's own k
-            row, chosen = row[keep], chosen[keep]
-            x[row, chosen] = x0[row, chosen]
-            committed_at[row, chosen - P] = step
+        for k in tokens_per_step(hi - lo, block_steps):
+            if k == 0:
+                continue                      # a short last block can have more steps than tokens
+            logits = model(x).float()                                    # (B, T, V)
+            x0 = sample_tokens(logits, temperature, generator)           # (B, T) a token everywhere
+            confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]
+            candidate = torch.zeros_like(x, dtype=torch.bool)
+            candidate[:, lo:hi] = x[:, lo:hi] == model.config.mask_id   # the current block's masked positions
+            chosen = confidence.masked_fill(~candidate, -1.0).topk(k, dim=1).indices   # (B, k)
+            x.scatter_(1, chosen, x0.gather(1, chosen))
+            committed_at.scatter_(1, chosen - P, step)
             step += 1
-    if early_stop and (x[:, P:] == mask_id).any():                       # one pass fills the rest
-        _, x0 = predict()
-        rest = x == mask_id
-        x[rest] = x0[rest]
-        committed_at[rest[:, P:]] = step
     completions = x[:, P:]
     return (completions, committed_at) if return_steps else completions

@@ -15,6 +15,7 @@ It writes out/estimators_TASK.json and, with --plot, the Fig. 3 PNG. The SFT mod
 first if out/ has no matching checkpoint.
 """
 import contextlib
+import functools
 import json
 import math
 import os
@@ -25,12 +26,14 @@ import torch
 
 import bgpo
 import lab
+from lab import sampler
 from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_from_table, elbo_terms,
-                  exact_elbo, group_advantages, log_probs_under_every_mask, naive_loss, random_order_from_table, sample_rollouts)
-from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments, diffucoder_moments,
-                            dtrpo_log_likelihood, exact_table, one_step_log_likelihood, one_step_prompt_mask_moments,
-                            size_stats, stp_log_likelihood, stratified_moments, sudoku_anchors, trajectory_log_likelihood,
-                            trajectory_moments)
+                  exact_elbo, group_advantages, log_probs_under_every_mask, naive_loss,
+                  random_order_from_table, sample_rollouts)
+from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments,
+                            diffucoder_moments, dtrpo_log_likelihood, exact_table, one_step_log_likelihood,
+                            one_step_prompt_mask_moments, size_stats, stp_log_likelihood, stratified_moments,
+                            sudoku_anchors, trajectory_log_likelihood, trajectory_moments)
 from lab.figures import draw
 from lab.objectives import flat_grad
 
@@ -44,11 +47,13 @@ def lab_batch(task):
     return (4, 8) if task.gen_len <= 12 else (2, 2)
 
 def _rollouts(model, task, prompts, args, seed, remasking="low_confidence"):
-    """The SFT model's G rollouts of each prompt, from their own generator: (x, y, commit_steps, A, rewards)."""
+    """The SFT model's G rollouts of each prompt, from their own generator:
+    (x, y, commit_steps, A, rewards)."""
     G = lab_batch(task)[1]
     batch = sample_rollouts(model, task, prompts, G, args, torch.Generator().manual_seed(seed),
-                            lambda *_: {"remasking": remasking})
-    return batch.x, batch.y, batch.commit_steps, group_advantages(batch.rewards, G).to(args.device), batch.rewards
+                            functools.partial(sampler.generate, remasking=remasking))
+    return (batch.x, batch.y, batch.commit_steps, group_advantages(batch.rewards, G).to(args.device),
+            batch.rewards)
 
 def _gradient(model, run, measure=False):
     """Runs one objective's forward and backward; returns the flat gradient and, if measure, the peak
@@ -90,7 +95,8 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
     the log random-order likelihood); and the variance between mask counts of one count-form draw."""
     B, L = y.shape
     rows = {}
-    def add(name, fwd, mean, var):                                                  # var: of one draw, or a function of n
+    # var: of one draw, or a function of n
+    def add(name, fwd, mean, var):
         rows.setdefault(name, {"fwd": fwd, "mean": [], "var": []})
         rows[name]["mean"].append(float(mean))
         rows[name]["var"].append([float(var(n)) if callable(var) else float(var) / n for n in N_T])
@@ -100,7 +106,8 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
         elbo.append(float(elbo_from_table(masks, logp)))
         ro.append(float(random_order_from_table(masks, logp)[1]))
         stats = size_stats(a, L)
-        between.append(float(torch.stack([L / k * m for k, (m, v) in enumerate(stats, 1)]).var(unbiased=False)))
+        weighted_means = torch.stack([L / k * m for k, (m, v) in enumerate(stats, 1)])
+        between.append(float(weighted_means.var(unbiased=False)))
         add("ELBO, iid 1/t", "n", elbo[-1], float("inf"))
         add("ELBO, stratified (BGPO)", "n", elbo[-1], lambda n: stratified_moments(stats, n)[1])
         add("antithetic pair (ours)", "2n", *antithetic_moments(a, L))
@@ -110,12 +117,14 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
         K = int(commit[b].max()) + 1
         add("trajectory, all steps", str(K), *trajectory_moments(full, commit[b].cpu(), L)[:1], 0.0)
         nb = math.ceil(L / block_len)
-        add("dTRPO, 1 step per block", f"{nb}n" if nb > 1 else "n", *trajectory_moments(full, commit[b].cpu(), block_len))
+        add("dTRPO, 1 step per block", f"{nb}n" if nb > 1 else "n",
+            *trajectory_moments(full, commit[b].cpu(), block_len))
         if anchors is not None:
             add("count form, no anchors", "n", *count_form_moments(stats))
             add("STP, anchors never masked", "n", *count_form_moments(size_stats(a, L, ~anchors[b])))
     if x.shape[1] <= MAX_PROMPT_MASKED:                                             # 2^P prompt masks
-        for b in range(0, B, group):                                                # a group shares its prompt
+        # a group shares its prompt
+        for b in range(0, B, group):
             with torch.no_grad():
                 mean, var = one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob)
             for m, v in zip(mean.tolist(), var.tolist()):
@@ -123,8 +132,8 @@ def likelihood_table(model, x, y, commit, block_len, group, anchors=None, prompt
     return elbo, ro, rows, between
 
 def print_likelihood_table(elbo, ro, rows, between):
-    print(f"\n1. Likelihood estimators, exact by enumeration ({len(elbo)} sequences; mean ELBO {np.mean(elbo):.3f} nats,"
-          f" mean log random-order likelihood {np.mean(ro):.3f})")
+    print(f"\n1. Likelihood estimators, exact by enumeration ({len(elbo)} sequences;"
+          f" mean ELBO {np.mean(elbo):.3f} nats, mean log random-order likelihood {np.mean(ro):.3f})")
     print("n = independent draws (pairs for the antithetic estimator); fwd = forward passes per sequence;"
           " sd = root mean variance over sequences")
     print(f"{'estimator':<30} {'bias vs ELBO':>12} {'vs log p_RO':>11} {'fwd':>5} | sd at n = "
@@ -136,8 +145,9 @@ def print_likelihood_table(elbo, ro, rows, between):
         print(f"{name:<30} {bias:>+12.3f} {bias_ro:>+11.3f} {r['fwd']:>5} |" + " " * 11
               + " ".join(f"{s:>6.3f}" if np.isfinite(s) else f"{'inf':>6}" for s in sd))
     one_draw = np.mean([v[0] for v in rows["ELBO, stratified (BGPO)"]["var"]])
-    print(f"Of one count-form draw's variance ({one_draw:.2f} nats^2, mean over sequences), {np.mean(between):.2f} is"
-          " between mask counts (the spread of the L/k-weighted means), which stratification removes.")
+    print(f"Of one count-form draw's variance ({one_draw:.2f} nats^2, mean over sequences),"
+          f" {np.mean(between):.2f} is between mask counts (the spread of the L/k-weighted means),"
+          " which stratification removes.")
 
 def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, prompt_mask_prob=0.15):
     """The Fig. 3 analogue, on-policy with fixed advantages: for each objective and n_t, REPEATS
@@ -149,19 +159,23 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
 
     def own_one_step():
         for b in range(0, B, group):
-            one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob, weights=scale[b:b + group])
+            one_step_prompt_mask_moments(model, x[b], y[b:b + group], prompt_mask_prob,
+                                         weights=scale[b:b + group])
 
     def own_stp():
         for b in live:
             (scale[b] * anchored_elbo(model, x[b], y[b], ~anchors[b])).backward()
 
     objectives = {}  # name -> (run for n draws and a generator, own exact expected gradient's run)
-    if anchors is None:                                                             # 2^L mask sets per sequence
+    # 2^L mask sets per sequence
+    if anchors is None:
         golden = _exact_elbo_run(model, x, y, A)
         objectives["BGPO = naive (ELBO)"] = (lambda n, g: _bgpo_run(model, x, y, A, n, g), golden)
         if x.shape[1] <= MAX_PROMPT_MASKED:
-            objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
-                one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)), own_one_step)
+            objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (
+                lambda n, g: _surrogate(A, L, lambda: average_of_draws(
+                    one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)),
+                own_one_step)
     else:
         golden = None
         objectives["STP (anchored ELBO)"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
@@ -209,7 +223,8 @@ def print_gradient_rows(name, r):
                 f" {row['floor']:>7.3f} {row['cos']:>6.3f} {row.get('rel_mean_elbo', float('nan')):>8.3f}"
                 f" {row['act_mb']:>8.1f}")
         if "naive_act_mb" in row:
-            line += f" {row['naive_act_mb']:>9.1f}" + (" <- naive holds more" if row["naive_act_mb"] > 1.01 * row["act_mb"] else "")
+            holds_more = row["naive_act_mb"] > 1.01 * row["act_mb"]
+            line += f" {row['naive_act_mb']:>9.1f}" + (" <- naive holds more" if holds_more else "")
         print(line)
 
 def signal_to_noise(model, task, prompts, args, batch1, exact1):
@@ -223,17 +238,21 @@ def signal_to_noise(model, task, prompts, args, batch1, exact1):
 
     rows = []
     for n in N_T[::2]:                                                              # 1, 4, 16, 64
-        pairs = max(2, N_T[-1] // n)                                                # about the same cost for every n_t
+        # about the same cost for every n_t
+        pairs = max(2, N_T[-1] // n)
         same = [_cos(grad(batch1, n, 10 * r), grad(batch1, n, 10 * r + 1)) for r in range(pairs)]
         other = [_cos(grad(batch1, n, 10 * r + 2), grad(batch2, n, 10 * r + 3)) for r in range(pairs)]
-        rows.append({"n_t": n, "pairs": pairs, "cos_mc": float(np.mean(same)), "cos_rollouts": float(np.mean(other))})
+        rows.append({"n_t": n, "pairs": pairs, "cos_mc": float(np.mean(same)),
+                     "cos_rollouts": float(np.mean(other))})
     x, y, _, A, _ = batch2
     exact2 = _gradient(model, _exact_elbo_run(model, x, y, A))[0]
     rows.append({"n_t": "inf", "cos_mc": 1.0, "cos_rollouts": _cos(exact1, exact2)})
     print("\n3. Signal to noise of the RL gradient (BGPO; mean cosine over pairs of gradients)")
-    print(f"  {'n_t':>4} {'pairs':>5} {'two MC draws, same rollouts':>28} {'two rollout batches, same prompts':>34}")
+    print(f"  {'n_t':>4} {'pairs':>5} {'two MC draws, same rollouts':>28}"
+          f" {'two rollout batches, same prompts':>34}")
     for row in rows:
-        print(f"  {row['n_t']:>4} {row.get('pairs', ''):>5} {row['cos_mc']:>28.3f} {row['cos_rollouts']:>34.3f}")
+        print(f"  {row['n_t']:>4} {row.get('pairs', ''):>5} {row['cos_mc']:>28.3f}"
+              f" {row['cos_rollouts']:>34.3f}")
     return rows
 
 def policy_gradient_check(model, task, prompts, args):
@@ -243,7 +262,8 @@ def policy_gradient_check(model, task, prompts, args):
     batch of its rollouts. Compared with the exact ELBO gradient and the trajectory-sum gradient
     (REINFORCE on the sampled order: unbiased for the same expected-reward gradient, but noisier).
     On the first two prompts of the lab's batch: two backward passes through 2^L rows per sequence."""
-    x, y, commit, A, rewards = _rollouts(model, task, prompts[:2], args, seed=args.seed + 11, remasking="random")
+    x, y, commit, A, rewards = _rollouts(model, task, prompts[:2], args, seed=args.seed + 11,
+                                         remasking="random")
     B, L = y.shape
     scale = -A.to(torch.get_default_dtype()) / (B * L)
 
@@ -252,18 +272,21 @@ def policy_gradient_check(model, task, prompts, args):
     for b in (A != 0).nonzero()[:, 0].tolist():                                     # one table, two gradients
         table = log_probs_under_every_mask(model, x[b], y[b])
         for g, value in ((g_pi, random_order_from_table(*table)[1]), (g_elbo, elbo_from_table(*table))):
-            g += flat_grad(model, torch.autograd.grad(scale[b] * value, params, retain_graph=True, allow_unused=True)).double().cpu()
+            grads = torch.autograd.grad(scale[b] * value, params, retain_graph=True, allow_unused=True)
+            g += flat_grad(model, grads).double().cpu()
     g_traj = _gradient(model, _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))[0]
-    bgpo = [_gradient(model, _bgpo_run(model, x, y, A, 16, torch.Generator().manual_seed(r)))[0] for r in range(4)]
+    bgpo = [_gradient(model, _bgpo_run(model, x, y, A, 16, torch.Generator().manual_seed(r)))[0]
+            for r in range(4)]
     rows = {"exact ELBO gradient": g_elbo, "BGPO, n_t = 16 (one draw, mean of 4)": None,
             "trajectory sum (REINFORCE on the order)": g_traj}
-    print(f"\n4. The ELBO as a policy gradient: random-remasking rollouts (mean reward {rewards.mean():.3f}), whose exact"
-          " log-likelihood is the random-order one")
+    print(f"\n4. The ELBO as a policy gradient: random-remasking rollouts (mean reward {rewards.mean():.3f}),"
+          " whose exact log-likelihood is the random-order one")
     print(f"  {'gradient':<42} {'cosine with the exact policy gradient':>38} {'norm ratio':>11}")
     result = {}
     for name, g in rows.items():
         cos = np.mean([_cos(d, g_pi) for d in bgpo]) if g is None else _cos(g, g_pi)
-        ratio = np.mean([float(d.norm() / g_pi.norm()) for d in bgpo]) if g is None else float(g.norm() / g_pi.norm())
+        ratio = (np.mean([float(d.norm() / g_pi.norm()) for d in bgpo]) if g is None
+                 else float(g.norm() / g_pi.norm()))
         result[name] = {"cos": float(cos), "norm_ratio": ratio}
         print(f"  {name:<42} {cos:>38.3f} {ratio:>11.3f}")
     return result
@@ -272,11 +295,13 @@ def estimators_figure(results):
     """The paper's Fig. 3 in small: the gradient's std and the distance of the 8-draw mean from the
     exact ELBO gradient (its "bias"), against n_t, one line per objective; data for bgpo.draw."""
     panels = [{"title": "gradient std (mean over parameters)", "key": "std"},
-              {"title": "distance of the 8-draw mean from the\nexact ELBO gradient (relative L2)", "key": "rel_mean_elbo"}]
+              {"title": "distance of the 8-draw mean from the\nexact ELBO gradient (relative L2)",
+               "key": "rel_mean_elbo"}]
     for panel in panels:
         key = panel.pop("key")
         panel.update(xlabel="n_t", xscale="log", yscale="log", lines=[
-            {"label": name, "x": [row["n_t"] for row in r["rows"]], "y": [row[key] for row in r["rows"]], "style": "o-"}
+            {"label": name, "x": [row["n_t"] for row in r["rows"]], "y": [row[key] for row in r["rows"]],
+             "style": "o-"}
             for name, r in results.items() if key in r["rows"][0]])
     return {"panels": [p for p in panels if p["lines"]]}
 
@@ -289,22 +314,24 @@ def bench_estimators(args, task, model):
     batch = _rollouts(model, task, prompts, args, seed=args.seed + 5)
     x, y, commit, A, rewards = batch
     block_len = args.block_len or task.gen_len
-    anchors = sudoku_anchors([p for p in prompts for _ in range(G)]).to(x.device) if task.name == "sudoku" else None
+    anchors = (sudoku_anchors([p for p in prompts for _ in range(G)]).to(x.device) if task.name == "sudoku"
+               else None)
     if not (A != 0).any():
-        raise RunError(f"every group's rollouts got equal rewards (mean {rewards.mean():.3f}): no gradient to measure; "
-                       "try another --seed")
-    print(f"{n_prompts} prompts x G = {G} rollouts of the SFT model on {task.name} (L = {task.gen_len}, temperature "
-          f"{args.temperature}): mean reward {rewards.mean():.3f}, {int((A != 0).sum())} sequences with A != 0")
+        raise RunError(f"every group's rollouts got equal rewards (mean {rewards.mean():.3f}): "
+                       "no gradient to measure; try another --seed")
+    print(f"{n_prompts} prompts x G = {G} rollouts of the SFT model on {task.name} (L = {task.gen_len}, "
+          f"temperature {args.temperature}): mean reward {rewards.mean():.3f}, "
+          f"{int((A != 0).sum())} sequences with A != 0")
     elbo, ro, rows, between = likelihood_table(model, x, y, commit, block_len, G, anchors)
     print_likelihood_table(elbo, ro, rows, between)
     print(f"({time.time() - t0:.0f} s)")
     if anchors is not None:
         stp = np.array(rows["STP, anchors never masked"]["var"])[:, 0]
         plain = np.array(rows["count form, no anchors"]["var"])[:, 0]
-        print(f"STP's variance claim: Var(anchored) < Var(no anchors) for {int((stp < plain).sum())} of {len(stp)} "
-              f"sequences; mean ratio {np.mean(stp / plain):.3f}")
-    print(f"\n2. Gradient of the RL objective, on-policy, fixed advantages ({REPEATS} recomputations per row; relative"
-          " distances are L2 norms divided by the golden gradient's)")
+        print(f"STP's variance claim: Var(anchored) < Var(no anchors) for {int((stp < plain).sum())} "
+              f"of {len(stp)} sequences; mean ratio {np.mean(stp / plain):.3f}")
+    print(f"\n2. Gradient of the RL objective, on-policy, fixed advantages ({REPEATS} recomputations per row;"
+          " relative distances are L2 norms divided by the golden gradient's)")
     results, g_elbo = gradient_table(model, x, y, commit, A, block_len, G, anchors)
     print(f"({time.time() - t0:.0f} s)")
     snr = signal_to_noise(model, task, prompts, args, batch, g_elbo) if anchors is None else None
@@ -312,16 +339,19 @@ def bench_estimators(args, task, model):
     path = os.path.join(args.out_dir, f"estimators_{task.name}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows, "between_mask_counts": between,
-                   "gradient": results, "signal_to_noise": snr, "policy_gradient": policy}, f, indent=1)
+        json.dump({"task": task.name, "elbo": elbo, "random_order": ro, "likelihood": rows,
+                   "between_mask_counts": between, "gradient": results, "signal_to_noise": snr,
+                   "policy_gradient": policy}, f, indent=1)
     print(f"\nwrote {path} ({time.time() - t0:.0f} s, SFT excluded)")
     if args.plot:
         draw(estimators_figure(results), os.path.join(args.out_dir, f"estimators_{task.name}.png"))
 
 def main(argv=None):
-    p = lab.make_parser("python -m lab.bench_estimators", "Every likelihood estimator against exact enumeration, on "
-                         "the SFT model's rollouts (the SFT model is trained first if --out-dir has none).")
-    p.add_argument("--plot", action="store_true", help="draw the Fig. 3 PNG, if matplotlib is installed (default: %(default)s)")
+    p = lab.make_parser("python -m lab.bench_estimators",
+                        "Every likelihood estimator against exact enumeration, on the SFT model's rollouts "
+                        "(the SFT model is trained first if --out-dir has none).")
+    p.add_argument("--plot", action="store_true",
+                   help="draw the Fig. 3 PNG, if matplotlib is installed (default: %(default)s)")
     args = bgpo.check_args(p, p.parse_args(argv))
     task = bgpo.get_task(args.task)
     return bench_estimators(args, task, bgpo.sft_model(args, task))

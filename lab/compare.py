@@ -13,7 +13,8 @@ import bgpo
 from lab.figures import curves_figure, draw, read_log
 
 def mean_of_runs(logs):
-    """Several runs' records (seeds) -> one: at each step, the mean reward and accuracy of the runs that have it."""
+    """Several runs' records (seeds) -> one: at each step, the mean reward and accuracy of the runs
+    that have it."""
     if len(logs) == 1:
         return logs[0]
     steps = sorted({r["step"] for records in logs for r in records})
@@ -24,15 +25,20 @@ def mean_of_runs(logs):
 def main(argv=None):
     p = bgpo.ArgumentParser(prog="python -m lab.compare", description=__doc__.strip().split("\n\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN", help="RL run folders in --out-dir, or LABEL=RUN,RUN,... for their mean")
-    p.add_argument("--out-dir", default="out", help="where the runs are, and where the figure goes (default: %(default)s)")
-    p.add_argument("--png", default="compare.png", help="the figure's file name in --out-dir (default: %(default)s)")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="RL run folders in --out-dir, or LABEL=RUN,RUN,... for their mean")
+    p.add_argument("--out-dir", default="out",
+                   help="where the runs are, and where the figure goes (default: %(default)s)")
+    p.add_argument("--png", default="compare.png",
+                   help="the figure's file name in --out-dir (default: %(default)s)")
     args = p.parse_args(argv)
     runs = dict(s.split("=", 1) if "=" in s else (s, s) for s in args.runs)   # {label: "RUN,RUN,..."}
-    missing = [r for group in runs.values() for r in group.split(",") if not os.path.isfile(os.path.join(args.out_dir, r, "log.jsonl"))]
+    missing = [r for group in runs.values() for r in group.split(",")
+               if not os.path.isfile(os.path.join(args.out_dir, r, "log.jsonl"))]
     if missing:
         p.error(f"no log.jsonl in {os.path.join(args.out_dir, missing[0])}")
-    logs = {label: mean_of_runs([read_log(os.path.join(args.out_dir, r, "log.jsonl")) for r in group.split(",")])
+    logs = {label: mean_of_runs([read_log(os.path.join(args.out_dir, r, "log.jsonl"))
+                                 for r in group.split(",")])
             for label, group in runs.items()}
     return draw(curves_figure(logs), os.path.join(args.out_dir, args.png))
 

@@ -30,53 +30,61 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     rollouts = sample_rollouts(model, task, task.sample(n_prompts, "train", g)[0], args.group_size, args, g)
     x, y, commit, solved = rollouts.x, rollouts.y, rollouts.commit_steps, rollouts.rewards == 1.0
     win, lose = [], []
-    for lo in range(0, len(rollouts.prompts), args.group_size):                            # pairs within a prompt's group
+    # pairs within a prompt's group
+    for lo in range(0, len(rollouts.prompts), args.group_size):
         group = torch.arange(lo, lo + args.group_size)
         w, l = group[solved[group]], group[~solved[group]]
         win, lose = win + w[:len(l)].tolist(), lose + l[:len(w)].tolist()
     if not win:
-        raise bgpo.RunError(f"the SFT model's {len(rollouts.prompts)} rollouts give no solved/unsolved pair in any group "
-                            f"(solved share {solved.float().mean():.3f}): DPO needs both; try more --sft-steps")
+        raise bgpo.RunError(f"the SFT model's {len(rollouts.prompts)} rollouts give no solved/unsolved pair "
+                            f"in any group (solved share {solved.float().mean():.3f}): DPO needs both; "
+                            "try more --sft-steps")
     win, lose = torch.tensor(win), torch.tensor(lose)
     reference = copy.deepcopy(model).requires_grad_(False)
 
     @torch.no_grad()
     def shifts():  # mean exact log-ratio to the reference, T_theta - T_ref, of the solved and the unsolved
         return [float((trajectory_log_likelihood(model, x[i], y[i], commit[i]) -
-                       trajectory_log_likelihood(reference, x[i], y[i], commit[i])).mean()) for i in (win, lose)]
+                       trajectory_log_likelihood(reference, x[i], y[i], commit[i])).mean())
+                for i in (win, lose)]
 
     with torch.no_grad():  # what one step per block sees of the margin log p(w) - log p(l), against all steps
         exact = trajectory_log_likelihood(model, x[win], y[win], commit[win]) - \
             trajectory_log_likelihood(model, x[lose], y[lose], commit[lose])
         one = dtrpo_log_likelihood(model, x[win], y[win], commit[win], args.block_len, g) - \
             dtrpo_log_likelihood(model, x[lose], y[lose], commit[lose], args.block_len, g)
-    result = {"pairs": len(win), "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]],
-              "margin": exact.mean().item(), "margin_sd": exact.std().item(), "estimate_sd": (one - exact).std().item()}
-    print(f"{len(win)} pairs from {n_prompts} prompts x G = {args.group_size} (solved share {solved.float().mean():.3f});"
+    result = {"pairs": len(win),
+              "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]],
+              "margin": exact.mean().item(), "margin_sd": exact.std().item(),
+              "estimate_sd": (one - exact).std().item()}
+    print(f"{len(win)} pairs from {n_prompts} prompts x G = {args.group_size}"
+          f" (solved share {solved.float().mean():.3f});"
           f" held-out accuracy of the SFT model {result['accuracy'][0]:.1%}")
-    print(f"log-likelihood margin of the pairs, solved - unsolved (all steps): mean {result['margin']:+.2f}, sd"
-          f" {result['margin_sd']:.2f} nats; one step per block misses it by {result['estimate_sd']:.2f} nats (sd)")
+    print(f"log-likelihood margin of the pairs, solved - unsolved (all steps): mean {result['margin']:+.2f},"
+          f" sd {result['margin_sd']:.2f} nats;"
+          f" one step per block misses it by {result['estimate_sd']:.2f} nats (sd)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for epoch in range(epochs):
         order = torch.randperm(len(win), generator=g)
         for i in range(0, len(win), batch):
             w, l = win[order[i:i + batch]], lose[order[i:i + batch]]
-            loss = dtrpo_dpo_loss(model, reference, x[w], y[w], commit[w], y[l], commit[l], beta, args.block_len,
-                                  generator=g)
+            loss = dtrpo_dpo_loss(model, reference, x[w], y[w], commit[w], y[l], commit[l], beta,
+                                  args.block_len, generator=g)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         (up, down), accuracy = shifts(), evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]
         result["accuracy"].append(accuracy)
-        print(f"epoch {epoch + 1}: exact log-ratio to the SFT model, solved {up:+.3f}, unsolved {down:+.3f} (margin"
-              f" {up - down:+.3f}); held-out accuracy {accuracy:.1%}")
+        print(f"epoch {epoch + 1}: exact log-ratio to the SFT model, solved {up:+.3f}, unsolved {down:+.3f}"
+              f" (margin {up - down:+.3f}); held-out accuracy {accuracy:.1%}")
     return result
 
 
 def main(argv=None):
-    p = lab.make_parser("python -m lab.dtrpo_offline", "dTRPO as published: DPO on the SFT model's solved and unsolved "
-                         "rollouts (the SFT model is trained first if --out-dir has none).")
+    p = lab.make_parser("python -m lab.dtrpo_offline",
+                        "dTRPO as published: DPO on the SFT model's solved and unsolved rollouts "
+                        "(the SFT model is trained first if --out-dir has none).")
     args = bgpo.check_args(p, p.parse_args(argv))
     task = bgpo.get_task(args.task)
     return offline_dtrpo(args, task, bgpo.sft_model(args, task))

@@ -89,7 +89,8 @@ def diffucoder_coupled(model, prompts, completions, generator=None, per_token=Fa
     return l if per_token else l.sum(1)
 
 
-def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, generator=None, per_token=False):
+def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, generator=None,
+                            per_token=False):
     """d1's mean-field estimate (diffu-GRPO): log pi(y|x) ~ sum_i log p(y^i | x~, completion all MASK),
     one forward pass, where x~ is the prompt with each position masked with probability
     prompt_mask_prob (d1: 0.15). With 0 it is deterministic. Biased for log pi and for the ELBO:
@@ -108,7 +109,8 @@ def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, g
 def check_commit_steps(prompts, completions, commit_steps):
     _check_batch(prompts, completions)
     if tuple(commit_steps.shape) != tuple(completions.shape):
-        raise ValueError(f"commit_steps: expected {tuple(completions.shape)}, got {tuple(commit_steps.shape)}")
+        raise ValueError(f"commit_steps: expected {tuple(completions.shape)}, "
+                         f"got {tuple(commit_steps.shape)}")
     if (commit_steps < 0).any():
         raise ValueError("commit_steps: every position must have been committed (a step >= 0)")
 
@@ -129,7 +131,8 @@ def trajectory_log_likelihood(model, prompts, completions, commit_steps, per_tok
     masked_before = commit_steps[:, None, :] >= s                                    # (B, K, L)
     logp = masked_log_likelihood(model, prompts.repeat_interleave(K, 0), completions.repeat_interleave(K, 0),
                                  masked_before.flatten(0, 1), per_token=True).view(B, K, L)
-    per_position = (logp * (commit_steps[:, None, :] == s)).sum(1)                  # each token at its own step
+    # each token at its own step
+    per_position = (logp * (commit_steps[:, None, :] == s)).sum(1)
     return per_position if per_token else per_position.sum(1)
 
 
@@ -148,7 +151,8 @@ def draw_block_steps(commit_steps, block_len=None, generator=None):
     return scores.argmax(-1)
 
 
-def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None, steps=None):
+def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=None, generator=None,
+                         steps=None):
     """dTRPO's estimate of T(y) (trajectory_log_likelihood): in each block b, one step t_b drawn
     uniformly among the K_b steps that committed the block's tokens (draw_block_steps, or given as
     steps (B, nb)), scaled by K_b:
@@ -158,14 +162,18 @@ def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=No
     check_commit_steps(prompts, completions, commit_steps)
     (B, L), block_len = completions.shape, block_len or completions.shape[1]
     present = _steps_of_blocks(commit_steps, block_len)                               # (B, nb, K)
-    t = draw_block_steps(commit_steps, block_len, generator) if steps is None else steps.to(commit_steps.device)
+    t = (draw_block_steps(commit_steps, block_len, generator) if steps is None
+         else steps.to(commit_steps.device))
     if tuple(t.shape) != tuple(present.shape[:2]):
-        raise ValueError(f"steps: expected {tuple(present.shape[:2])} (one step per block), got {tuple(t.shape)}")
+        raise ValueError(f"steps: expected {tuple(present.shape[:2])} (one step per block), "
+                         f"got {tuple(t.shape)}")
     nb = t.shape[1]
     block = torch.arange(L, device=commit_steps.device) // block_len                 # (L,)
-    states = commit_steps[:, None] >= t[..., None]                                   # (B, nb, L): before step t_b
+    # (B, nb, L): before step t_b
+    states = commit_steps[:, None] >= t[..., None]
     new = (commit_steps[:, None] == t[..., None]) & (block == torch.arange(nb, device=block.device)[:, None])
-    logp = masked_log_likelihood(model, prompts.repeat_interleave(nb, 0), completions.repeat_interleave(nb, 0),
+    logp = masked_log_likelihood(model, prompts.repeat_interleave(nb, 0),
+                                 completions.repeat_interleave(nb, 0),
                                  states.flatten(0, 1), per_token=True).view(B, nb, L)
     return (present.sum(-1).to(logp) * (logp * new).sum(-1)).sum(1)
 
@@ -175,7 +183,8 @@ def draw_anchored_masks(anchors, n=1, generator=None):
     are never masked. With F free positions, each copy draws k ~ U{1..F} and a uniform k-subset S of
     the free positions. Returns MCSamples: mask (B, n, L) and weight F/k (B, n)."""
     if anchors.dim() != 2 or anchors.dtype != torch.bool:
-        raise ValueError(f"anchors: expected a (B, L) bool tensor, got {tuple(anchors.shape)} {anchors.dtype}")
+        raise ValueError("anchors: expected a (B, L) bool tensor, "
+                         f"got {tuple(anchors.shape)} {anchors.dtype}")
     anchors = anchors.cpu()
     F = (~anchors).sum(1, keepdim=True)                                               # (B, 1)
     if (F == 0).any():
@@ -211,7 +220,8 @@ def stp_log_likelihood(model, prompts, completions, anchors, generator=None):
     _check_batch(prompts, completions)
     if tuple(anchors.shape) != tuple(completions.shape):
         raise ValueError(f"anchors: expected {tuple(completions.shape)}, got {tuple(anchors.shape)}")
-    return stp_token_log_likelihood(model, prompts, completions, draw_anchored_masks(anchors, 1, generator)).sum(1)
+    return stp_token_log_likelihood(model, prompts, completions,
+                                    draw_anchored_masks(anchors, 1, generator)).sum(1)
 
 
 def sudoku_anchors(prompts):
@@ -287,7 +297,8 @@ def diffucoder_moments(a, mean_field, L, nodes=64):
     k = subset_masks(L).sum(1).to(a)
     comp = (2**L - 1) ^ torch.arange(2**L)
     mean = second = 0.0
-    for t, wt in zip(0.5 + 0.3 * u, w / 2):                                          # U(0.2, 0.8) = 0.5 + 0.3 U(-1, 1)
+    # U(0.2, 0.8) = 0.5 + 0.3 U(-1, 1)
+    for t, wt in zip(0.5 + 0.3 * u, w / 2):
         p = t**k * (1 - t) ** (L - k)
         x = 0.5 * (mean_field + a / t + a[comp] / (1 - t))
         mean, second = mean + wt * (p * x).sum(), second + wt * (p * x**2).sum()
@@ -352,6 +363,7 @@ def anchored_elbo(model, prompt, completion, free):
     pick = subset_masks(F, completion.device)[1:]                                    # (2^F - 1, F)
     masks = torch.zeros(len(pick), L, dtype=torch.bool, device=completion.device)
     masks[:, positions] = pick
-    logp = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L), masks,
-                                 per_token=True)
-    return elbo_from_table(pick, logp[:, positions])                                 # the ELBO over F positions
+    logp = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L),
+                                 masks, per_token=True)
+    # the ELBO over F positions
+    return elbo_from_table(pick, logp[:, positions])

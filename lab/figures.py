@@ -18,8 +18,10 @@ def curves_figure(runs):
             reward.append({"label": "each step", "x": [r["step"] for r in steps], "y": ys, "alpha": 0.3})
         reward.append({"label": label, "x": [r["step"] for r in steps],
                        "y": [sum(ys[max(0, i - 9):i + 1]) / min(i + 1, 10) for i in range(len(ys))]})
-        accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals], "style": "o-"})
-    return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step", "lines": reward},
+        accuracy.append({"label": label, "x": [r["step"] for r in evals], "y": [r["accuracy"] for r in evals],
+                         "style": "o-"})
+    return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step",
+                        "lines": reward},
                        {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
 
 def stages_figure(sft_curve, rl_records, control=None):
@@ -33,12 +35,17 @@ def stages_figure(sft_curve, rl_records, control=None):
         seconds += r.get("seconds", 0.0)
         if "accuracy" in r:
             rl.append((t0 + seconds, r["accuracy"]))
-    lines = [{"label": "SFT: validation accuracy", "x": [c["seconds"] for c in sft_curve], "y": [c["val_accuracy"] for c in sft_curve], "style": "--", "alpha": 0.6},
-             {"label": "SFT: held-out accuracy", "x": [c["seconds"] for c in sft_curve], "y": [c["accuracy"] for c in sft_curve], "style": "o-"},
-             {"label": f"SFT + RL (from SFT step {best['step']})", "x": [x for x, _ in rl], "y": [y for _, y in rl], "style": "o-"}]
+    lines = [{"label": "SFT: validation accuracy", "x": [c["seconds"] for c in sft_curve],
+              "y": [c["val_accuracy"] for c in sft_curve], "style": "--", "alpha": 0.6},
+             {"label": "SFT: held-out accuracy", "x": [c["seconds"] for c in sft_curve],
+              "y": [c["accuracy"] for c in sft_curve], "style": "o-"},
+             {"label": f"SFT + RL (from SFT step {best['step']})", "x": [x for x, _ in rl],
+              "y": [y for _, y in rl], "style": "o-"}]
     if control:
-        lines.append({"label": "SFT continued (control)", "x": [t0 + c["seconds"] for c in control], "y": [c["accuracy"] for c in control], "style": "s-"})
-    return {"panels": [{"title": "greedy accuracy: SFT on the demonstrations, then RL", "xlabel": "training seconds", "lines": lines}]}
+        lines.append({"label": "SFT continued (control)", "x": [t0 + c["seconds"] for c in control],
+                      "y": [c["accuracy"] for c in control], "style": "s-"})
+    return {"panels": [{"title": "greedy accuracy: SFT on the demonstrations, then RL",
+                        "xlabel": "training seconds", "lines": lines}]}
 
 def draw(figure, png_path):
     """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
@@ -52,8 +59,10 @@ def draw(figure, png_path):
     fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(width, 3.3), squeeze=False)
     for ax, panel in zip(axes[0], figure["panels"]):
         for line in panel["lines"]:
-            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"], alpha=line.get("alpha", 1.0), markersize=3)
-        ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"))
+            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"],
+                    alpha=line.get("alpha", 1.0), markersize=3)
+        ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"),
+               yscale=panel.get("yscale", "linear"))
         ax.set_title(panel["title"], fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,7 +1,7 @@
 """
-The field's RL objectives for dLLMs, as values of bgpo.Objective that bgpo.run_rl takes in place of
-BGPO's: d1's diffu-GRPO, STP, dTRPO, and the control, REINFORCE on the sampler's own trajectory.
-Run them with python -m lab.rl --objective diffu-grpo | stp | dtrpo | trajectory.
+The field's RL objectives for dLLMs, as Objective values that the lab's RL loop (lab/rl.py) runs:
+BGPO and the naive objective (bgpo.py's functions), d1's diffu-GRPO, STP, dTRPO, and the control,
+REINFORCE on the sampler's own trajectory. Run them with python -m lab.rl --objective NAME.
 
 Each method fixes its randomness once per rollout batch (the Objective's prepare), one draw per
 inner update (a prompt mask, n masked copies, one step per block), and computes the rollout
@@ -10,9 +10,14 @@ on draw j, as d1 does with its mask seeds. On-policy every loss has the gradient
 -mean_b A_b X_b / L, with X the method's estimate of log pi(y_b | x): BGPO's, with the ELBO in place
 of X. Each loss's docstring lists where it departs from its paper; none has a KL term.
 """
+import functools
+from dataclasses import dataclass, fields
+from typing import Callable
+
 import torch
 
-from bgpo import MCSamples, Objective, OBJECTIVES as TUTORIAL_OBJECTIVES, clip_of, ppo_clip, reward_groups
+from bgpo import MCSamples, Rollouts, bgpo_backward, draw_mc_samples, elbo_terms, naive_loss, ppo_clip, reward_groups
+from lab import sampler
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors)
 from tiny_dllm import masked_log_likelihood
@@ -47,7 +52,7 @@ def diffu_grpo_loss(model, prompts, completions, prompt_mask, old_logp, advantag
 def stp_loss(model, prompts, completions, mc, old_logp, advantages, clip_eps=0.2):
     """STP (Liu et al. 2026), one inner update: token_grpo_loss on stp_token_log_likelihood, the per-
     token split of the anchored ELBO over mc's n copies (draw_anchored_masks: anchors never masked).
-    The rollouts come from generate(..., prior=, early_stop=): anchors pre-filled, early stop.
+    The rollouts come from lab.sampler.generate(..., prior=, early_stop=): anchors in place, early stop.
     Departures from STP: 1. per-token terms weighted F/k and from masked positions only (STP's code:
     an unweighted mean over copies, visible positions included). 2. Anchors are Sudoku's given cells,
     not the most confident tokens of an offline LLaDA completion; Countdown and arithmetic have none,
@@ -110,6 +115,51 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
 # -----------------------------------------------------------------------------
 # The objectives: what each fixes once per rollout batch, and its inner update j
 
+@dataclass
+class Objective:
+    """An RL objective as the lab's loop sees it.
+    prepare(model, batch, args, generator) -> state, fixed once per rollout batch, without gradients;
+    backward(model, batch, state, A, args, inner) -> loss value, backpropagated for inner update `inner`."""
+    prepare: Callable
+    backward: Callable
+
+def rows_of(value, rows):
+    """The part of a rollout batch, or of an objective's per-batch state, that belongs to these rows."""
+    if isinstance(value, dict):
+        return {k: rows_of(v, rows) for k, v in value.items()}
+    if isinstance(value, (MCSamples, Rollouts)):
+        return type(value)(*(rows_of(getattr(value, f.name), rows) for f in fields(value)))
+    if isinstance(value, list):
+        return [v for v, keep in zip(value, rows.tolist()) if keep]
+    return None if value is None else value[rows.to(value.device)]
+
+def informative(batch, state, A):
+    """bgpo.rl_backward's first lines: drop the rows with A = 0, scale the others' A by their share."""
+    rows = A != 0
+    return rows_of(batch, rows), rows_of(state, rows), A[rows] * (int(rows.sum()) / len(A))
+
+def clip_of(args):
+    return args.clip_eps if args.updates_per_batch > 1 else None   # on-policy the clip is inactive anyway
+
+def elbo_draws(model, batch, args, generator):
+    """BGPO's and the naive objective's: n_t masked copies per completion, and the rollout policy's terms
+    on the same masks when several updates use one batch (bgpo.run_rl's step 4)."""
+    mc = draw_mc_samples(len(batch.prompts), batch.y.shape[1], args.mc_samples, generator).to(args.device)
+    if args.updates_per_batch == 1:
+        return {"mc": mc, "old_terms": None}
+    with torch.no_grad():
+        return {"mc": mc, "old_terms": elbo_terms(model, batch.x, batch.y, mc)}       # (B, M)
+
+def bgpo_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
+    return bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args), args.mc_chunk)
+
+def naive_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
+    loss = naive_loss(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args))
+    loss.backward()
+    return loss.item()
+
 @torch.no_grad()
 def diffu_grpo_draws(model, batch, args, generator):
     """d1: a prompt mask per inner update, and the rollout policy's per-token one-step terms under it."""
@@ -160,7 +210,8 @@ def no_draws(model, batch, args, generator):
 def trajectory_update(model, batch, state, A, args, inner):
     return trajectory_backward(model, batch.x, batch.y, batch.commit_steps, A)
 
-OBJECTIVES = {**TUTORIAL_OBJECTIVES, "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
+OBJECTIVES = {"bgpo": Objective(elbo_draws, bgpo_update), "naive": Objective(elbo_draws, naive_update),
+              "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
               "stp": Objective(stp_draws, stp_update), "dtrpo": Objective(dtrpo_draws, dtrpo_update),
               "trajectory": Objective(no_draws, trajectory_update)}
 
@@ -178,9 +229,10 @@ def stp_prior(task, prompts):
     return grid.masked_fill(~sudoku_anchors(prompts), task.tokenizer.mask_id)
 
 def lab_sampler(task, prompts, args):
-    """generate()'s extra arguments in the lab: --remasking, and STP's anchors and early stop."""
-    return {"remasking": args.remasking, "prior": stp_prior(task, prompts) if args.anchors else None,
-            "early_stop": args.stp_tau}
+    """The rollouts' sampler in the lab, for bgpo.sample_rollouts: lab.sampler.generate with --remasking,
+    and STP's anchors and early stop. prompts: the B prompt strings, each repeated G times."""
+    prior = stp_prior(task, [p for p in prompts for _ in range(args.group_size)]) if args.anchors else None
+    return functools.partial(sampler.generate, remasking=args.remasking, prior=prior, early_stop=args.stp_tau)
 
 def flat_grad(model, grads=None):
     """The accumulated gradient, or the given per-parameter gradients (torch.autograd.grad's), as one flat

@@ -37,7 +37,8 @@ def generate_radd(model, prompts, gen_len, n_steps, temperature=0.0, generator=N
         t, s = 1 - n / n_steps, 1 - (n + 1) / n_steps
         masked = x[:, P:] == mask_id
         reveal = (torch.rand(B, gen_len, generator=generator).to(x.device) < (t - s) / t) & masked
-        gumbel = -torch.log(-torch.log(torch.rand(B, gen_len, V, generator=generator).clamp(1e-10, 1 - 1e-10)))
+        uniform = torch.rand(B, gen_len, V, generator=generator).clamp(1e-10, 1 - 1e-10)
+        gumbel = -torch.log(-torch.log(uniform))
         call = reveal.any(1) & changed if cache else masked.any(1)
         if call.any():
             logits[call] = model(x[call])[:, P:].float()

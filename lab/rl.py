@@ -1,11 +1,16 @@
 """
-bgpo.py's RL loop with the field's objectives and the lab's diagnostics:
+The lab's RL loop: bgpo.run_rl's with the field's objectives and the lab's diagnostics:
 
     python -m lab.rl --objective {bgpo,naive,diffu-grpo,stp,dtrpo,trajectory} [any bgpo.py flag] [lab flags]
 
-What the lab adds to bgpo.run_rl, all through its plug-in points (an Objective and an on_step hook):
-1. The field's objectives (lab/objectives.py), with their own defaults: d1's and STP's mu = 4 inner
-   updates, d1's clip 0.5, STP's num_t = 3 (--mc-samples) and early stop 0.75 (--stp-tau).
+run_rl below is bgpo.run_rl's loop with its five steps made replaceable, and it shares everything
+else with bgpo.py: the rollouts (bgpo.sample_rollouts), the advantages (bgpo.group_advantages), the
+run's folder, log, evaluations, checkpoints and resume (bgpo.RLLog), and the command line's flags.
+With --objective bgpo or naive and no lab option it draws the same random numbers in the same order.
+What it adds:
+1. The field's objectives (lab/objectives.py), each an Objective (its per-batch draws and its update),
+   with their own defaults: d1's and STP's mu = 4 inner updates, d1's clip 0.5, STP's num_t = 3
+   (--mc-samples) and early stop 0.75 (--stp-tau).
 2. Options: --remasking random (rollouts whose exact policy gradient is known), --d1-advantages,
    --no-anchors, --rl-pool N (practise on a fixed pool of N training problems and report the
    accuracy on them beside the held-out one).
@@ -16,15 +21,17 @@ What the lab adds to bgpo.run_rl, all through its plug-in points (an Objective a
    summation order, so a run here differs from bgpo.py's by rounding, not by what it computes.
 """
 import dataclasses
+import math
 import os
+import time
 
 import torch
 
 import bgpo
 import lab
-from bgpo import evaluate, positive_float, positive_int, rows_of
+from bgpo import ActivationMemory, RLLog, evaluate, positive_float, positive_int, sample_rollouts
 from lab.figures import curves_figure, draw, read_log
-from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler
+from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler, rows_of
 from tasks import get_task
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
@@ -83,7 +90,8 @@ def split_by_sign(objective, stats):
         for rows in (A > 0, A < 0):
             n = int(rows.sum())
             if n:
-                loss += objective.backward(model, rows_of(batch, rows), rows_of(state, rows), A[rows] * n / len(A), args, inner)
+                part_A = A[rows] * n / len(A)
+                loss += objective.backward(model, rows_of(batch, rows), rows_of(state, rows), part_A, args, inner)
             grads.append(flat_grad(model))
         g_pos, g_neg = grads[0], grads[1] - grads[0]
         stats.update(grad_pos=g_pos.norm().item(), grad_neg=g_neg.norm().item(),
@@ -91,27 +99,62 @@ def split_by_sign(objective, stats):
         return loss
     return dataclasses.replace(objective, backward=backward)
 
-def lab_objective(args, stats):
-    """--objective's Objective with the lab's sampler, advantages (d1's or Eq. 18's) and split update."""
-    advantages = d1_advantages if args.d1_advantages else bgpo.group_advantages
-    return split_by_sign(dataclasses.replace(OBJECTIVES[args.objective], sampler=lab_sampler, advantages=advantages), stats)
-
 # -----------------------------------------------------------------------------
-# The practice pool and the extra log fields
+# The loop
 
-class Pool:
-    """A task whose training problems are a fixed pool (--rl-pool); everything else is the task's."""
+def run_rl(args, task, model, pool=None):
+    """bgpo.run_rl with --objective's draws and update, the lab's sampler and advantages, and diagnostics.
+    pool: the fixed training problems of --rl-pool, or None for fresh ones."""
+    stats, G = {}, args.group_size
+    objective = split_by_sign(OBJECTIVES[args.objective], stats)
+    advantages = d1_advantages if args.d1_advantages else bgpo.group_advantages
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    log = PoolLog(args, task, model, optimizer, generator, pool)
+    for step in range(log.start, args.rl_steps + 1):
+        t0 = time.time()
+        if pool:
+            prompts = [pool[i] for i in torch.randperm(len(pool), generator=generator)[:args.prompts_per_step]]
+        else:
+            prompts = task.sample(args.prompts_per_step, "train", generator)[0]
+        batch = sample_rollouts(model, task, prompts, G, args, generator, lab_sampler(task, prompts, args))
+        A = advantages(batch.rewards, G).to(args.device)                                 # (B,)
+        A = torch.where(A < 0, args.neg_weight * A, A)
+        state = objective.prepare(model, batch, args, generator)
+        for group in optimizer.param_groups:
+            group["lr"] = args.rl_lr * (min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0)
+        with ActivationMemory(model) as memory:
+            for inner in range(args.updates_per_batch):
+                optimizer.zero_grad(set_to_none=True)
+                if not A.any():
+                    loss = 0.0
+                    continue
+                loss = objective.backward(model, batch, state, A, args, inner)
+                if not math.isfinite(loss):
+                    raise log.diverged(step, loss)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+        fields = {"entropy": prediction_entropy(model, batch.x, task.gen_len), "grad_pos": 0.0, "grad_neg": 0.0,
+                  "cos_pos_neg": 0.0, **stats, "rollout_passes": int(batch.commit_steps.max()) + 1}
+        stats.clear()                                        # (the zeros stand when every group tied: no update)
+        text = f"entropy {fields['entropy']:.2f} | cos(g+, g-) {fields['cos_pos_neg']:+.2f}"
+        log.step(step, batch, loss, memory.peak, time.time() - t0, fields, text)
+    return log.history
 
-    def __init__(self, task, prompts):
-        self.task, self.prompts = task, prompts
+class PoolLog(RLLog):
+    """bgpo.RLLog, with the accuracy on the practice pool at each evaluation (--rl-pool)."""
 
-    def __getattr__(self, name):
-        return getattr(self.task, name)
+    def __init__(self, args, task, model, optimizer, generator, pool):
+        self.pool = pool
+        super().__init__(args, task, model, optimizer, generator)
 
-    def sample(self, n, split, generator):
-        if split != "train":
-            return self.task.sample(n, split, generator)
-        return [self.prompts[i] for i in torch.randperm(len(self.prompts), generator=generator)[:n]], None
+    def evaluate(self, record):
+        text = super().evaluate(record)
+        if not self.pool:
+            return text
+        record["pool_accuracy"] = evaluate(self.model, self.task, self.pool[:self.args.eval_size], self.args,
+                                           n_show=0)["accuracy"]
+        return text + f" | pool accuracy {record['pool_accuracy']:.1%}"
 
 @torch.no_grad()
 def prediction_entropy(model, prompts, gen_len):
@@ -121,29 +164,14 @@ def prediction_entropy(model, prompts, gen_len):
     logp = model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:].log_softmax(-1)
     return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
 
-def diagnostics(task, args, stats, pool=None):
-    """bgpo.run_rl's on_step: the gradient split, entropy and sampler passes of each step, and the pool's accuracy."""
-    def on_step(record, model, batch):
-        text = []
-        if batch is not None:
-            record.update({"entropy": prediction_entropy(model, batch.x, task.gen_len), "grad_pos": 0.0, "grad_neg": 0.0,
-                           "cos_pos_neg": 0.0, **stats, "rollout_passes": int(batch.commit_steps.max()) + 1})
-            stats.clear()                                          # (the zeros stand when every group tied: no update)
-            text.append(f"entropy {record['entropy']:.2f} | cos(g+, g-) {record['cos_pos_neg']:+.2f}")
-        if pool and "accuracy" in record:
-            record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
-            text.append(f"pool accuracy {record['pool_accuracy']:.1%}")
-        return " | ".join(text) or None
-    return on_step
-
 def main(argv=None):
     args = parse_args(argv)
-    task, stats = get_task(args.task), {}
-    pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
-    history = bgpo.run(args, lab_objective(args, stats), diagnostics(task, args, stats, pool), Pool(task, pool) if pool else None)
+    pool = get_task(args.task).sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
+    history = bgpo.run(args, lambda args, task, model: run_rl(args, task, model, pool))
     if args.plot and args.stage != "sft":
         run_dir = os.path.join(args.out_dir, args.run_name)
-        draw(curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))}), os.path.join(run_dir, "curves.png"))
+        figure = curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))})
+        draw(figure, os.path.join(run_dir, "curves.png"))
     return history
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from tasks import get_task
 
 def main(argv=None):
     p = bgpo.make_parser("python -m lab.stages", __doc__.strip().split("\n\n")[0])
-    p.add_argument("--png", default="stages.png", help="the figure's file name in the run's folder (default: %(default)s)")
+    p.add_argument("--png", default="stages.png",
+                   help="the figure's file name in the run's folder (default: %(default)s)")
     args = bgpo.check_args(p, p.parse_args(argv))
     run_dir = os.path.join(args.out_dir, args.run_name)
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import bgpo
-from lab import bench_estimators, bench_memory, compare, dtrpo_offline, figures, rl, stages
+from lab import bench_estimators, bench_memory, compare, control, dtrpo_offline, figures, rl, stages
 from tasks import get_task
 from test_bgpo import tiny_argv
 
@@ -17,17 +17,20 @@ from test_bgpo import tiny_argv
 def shared_out(tmp_path_factory):
     return tmp_path_factory.mktemp("field")
 
-@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--d1-advantages"]), ("stp", ["--stp-tau", "0.5"]),
+@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--d1-advantages"]),
+                                              ("stp", ["--stp-tau", "0.5"]),
                                               ("dtrpo", [])])
 def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
     tmp_path = shared_out                                                  # one SFT model for the three runs
-    history = rl.main(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra))  # they only need to run
+    # they only need to run
+    history = rl.main(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra))
     assert [h["step"] for h in history] == [0, 1, 2]
     run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
     records = figures.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     passes = [r["rollout_passes"] for r in records[1:]]
-    assert passes == ([3, 3] if objective == "stp" else [4, 4]), "STP: 2 of 4 tokens, then one pass fills the rest"
+    assert passes == ([3, 3] if objective == "stp" else [4, 4]), (
+        "STP: 2 of 4 tokens, then one pass fills the rest")
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
@@ -63,22 +66,27 @@ def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys
         assert e.value.code == 2 and "no log.jsonl" in err and "no_such_run" in err and err.count("\n") == 1
 
 def test_mean_of_runs_averages_each_step_over_the_runs_that_have_it():
-    a = [{"step": 0, "accuracy": 0.2}, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.1, "accuracy": 0.4}]
+    a = [{"step": 0, "accuracy": 0.2}, {"step": 1, "reward": 0.5},
+         {"step": 2, "reward": 0.1, "accuracy": 0.4}]
     b = [{"step": 0, "accuracy": 0.4}, {"step": 1, "reward": 0.3}, {"step": 2, "reward": 0.3}]
-    assert compare.mean_of_runs([a, b]) == [{"step": 0, "accuracy": pytest.approx(0.3)}, {"step": 1, "reward": pytest.approx(0.4)},
-                                         {"step": 2, "reward": pytest.approx(0.2)}]
+    assert compare.mean_of_runs([a, b]) == [{"step": 0, "accuracy": pytest.approx(0.3)},
+                                            {"step": 1, "reward": pytest.approx(0.4)},
+                                            {"step": 2, "reward": pytest.approx(0.2)}]
 
 def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_estimators, "N_T", (1,))                      # one row: the pipeline, not the numbers
+    # one row: the pipeline, not the numbers
+    monkeypatch.setattr(bench_estimators, "N_T", (1,))
     monkeypatch.setattr(bench_estimators, "REPEATS", 2)
     monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (4, 2))
-    monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)            # d1's 2^12 prompt masks: tested elsewhere
+    # d1's 2^12 prompt masks: tested elsewhere
+    monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)
     bench_estimators.main(tiny_argv(tmp_path, "--task", "countdown", "--sft-steps", "20"))  # SFT first
     result = json.loads((tmp_path / "estimators_countdown.json").read_text())
     rows = result["likelihood"]
     for name in ("ELBO, stratified (BGPO)", "antithetic pair (ours)"):          # unbiased: exactly the ELBO
         assert np.allclose(rows[name]["mean"], result["elbo"], atol=1e-5), name
-    assert np.allclose(rows["dTRPO, 1 step per block"]["mean"], rows["trajectory, all steps"]["mean"], atol=1e-5)
+    assert np.allclose(rows["dTRPO, 1 step per block"]["mean"], rows["trajectory, all steps"]["mean"],
+                       atol=1e-5)
     assert result["gradient"]["BGPO = naive (ELBO)"]["own_vs_elbo"] == 0.0
     assert [row["n_t"] for row in result["signal_to_noise"]] == [1, "inf"]
 
@@ -97,31 +105,38 @@ def test_curves_figure_holds_the_lines_it_draws_and_draws_a_png_when_matplotlib_
 
 def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_path):
     args = bench_memory.parse_args(tiny_argv(tmp_path, "--bench-repeats", "1"))
-    rows = {(r["objective"], r["samples"]): r["act_mb"] for r in bench_memory.every_objective_table(args, get_task("arithmetic"))}
+    rows = {(r["objective"], r["samples"]): r["act_mb"]
+            for r in bench_memory.every_objective_table(args, get_task("arithmetic"))}
     assert rows["bgpo", 16] <= 1.1 * rows["bgpo", 1], "BGPO: one sample's graph at a time"
-    assert rows["naive", 16] > 8 * rows["naive", 1] and rows["stp", 16] > 8 * rows["stp", 1], "one batch of n copies"
+    assert rows["naive", 16] > 8 * rows["naive", 1] and rows["stp", 16] > 8 * rows["stp", 1], (
+        "one batch of n copies")
 
 def test_memory_figure_holds_the_lines_it_draws():
     rows = [{"n_t": n, "naive_mb": 10.0 * n, "bgpo_mb": 10.0, "naive_s": 1.0, "bgpo_s": 0.5} for n in (1, 2)]
     memory, ratio = bench_memory.memory_figure(rows)["panels"]
-    assert [line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]] and ratio["lines"][0]["y"] == [0.5, 0.5]
+    assert ([line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]]
+            and ratio["lines"][0]["y"] == [0.5, 0.5])
 
 def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(tmp_path, capsys):
     """An SFT model of 10 steps solves no addition: no pair for DPO, one line, exit code 2."""
     with pytest.raises(SystemExit) as e:
-        bgpo.command_line(lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4", "--sft-steps", "10")), "lab.dtrpo_offline")
+        bgpo.command_line(
+            lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4", "--sft-steps", "10")),
+            "lab.dtrpo_offline")
     err = capsys.readouterr().err
     assert e.value.code == 2 and "give no solved/unsolved pair" in err and err.count("\n") == 1, err
 
 def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_path):
     sft = [{"step": s, "seconds": 10.0 * s, "val_reward": v, "val_accuracy": v, "accuracy": v / 2}
-           for s, v in ((1, 0.1), (2, 0.3), (3, 0.3), (4, 0.2))]             # kept: step 2, the first best, at 20 s
+           for s, v in ((1, 0.1), (2, 0.3), (3, 0.3), (4, 0.2))]  # kept: step 2, the first best, at 20 s
     rl_log = [{"step": 0, "accuracy": 0.15}, {"step": 1, "reward": 0.1, "seconds": 4.0},
               {"step": 2, "reward": 0.2, "seconds": 6.0, "accuracy": 0.25}]
     control = [{"step": 2, "seconds": 0.0, "accuracy": 0.15}, {"step": 9, "seconds": 10.5, "accuracy": 0.05}]
-    sft_val, sft_test, rl_line, control_line = figures.stages_figure(sft, rl_log, control)["panels"][0]["lines"]
+    figure = figures.stages_figure(sft, rl_log, control)
+    sft_val, sft_test, rl_line, control_line = figure["panels"][0]["lines"]
     assert sft_test["x"] == [10.0, 20.0, 30.0, 40.0] and sft_test["y"] == [0.05, 0.15, 0.15, 0.1]
-    assert rl_line["x"] == [20.0, 30.0] and rl_line["y"] == [0.15, 0.25], "RL's evaluations at its training seconds after SFT's"
+    assert rl_line["x"] == [20.0, 30.0] and rl_line["y"] == [0.15, 0.25], (
+        "RL's evaluations at its training seconds after SFT's")
     assert control_line["x"] == [20.0, 30.5] and "step 2" in rl_line["label"]
     with pytest.raises(SystemExit):
         stages.main(tiny_argv(tmp_path, "--run-name", "nothing-here"))
@@ -129,7 +144,20 @@ def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_pa
     bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
     assert os.path.getsize(stages.main(tiny_argv(tmp_path, "--rl-steps", "1"))) > 1000
 
-@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, dtrpo_offline, stages])
+def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, capsys):
+    bgpo.main(tiny_argv(tmp_path))
+    run = tmp_path / "arithmetic_bgpo_nt4_u1_seed0"
+    rl_log = figures.read_log(run / "log.jsonl")
+    curve = control.main(tiny_argv(tmp_path))
+    assert figures.read_log(run / "control.jsonl") == curve
+    assert curve[0]["accuracy"] == rl_log[0]["accuracy"], "the control starts from the SFT model RL started from"
+    assert curve[-1]["seconds"] >= sum(r.get("seconds", 0) for r in rl_log) and curve[-1]["step"] > curve[0]["step"]
+    with pytest.raises(SystemExit) as e:
+        control.main(tiny_argv(tmp_path, "--run-name", "nothing-here"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no RL log" in err and err.count("\n") == 1, err
+
+@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline, stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])

@@ -11,19 +11,21 @@ import pytest
 import torch
 
 import bgpo
-from bgpo import draw_mc_samples, elbo_terms, exact_elbo, log_probs_under_every_mask, random_order_log_likelihood
-from lab import estimators
+from bgpo import (draw_mc_samples, elbo_terms, exact_elbo, log_probs_under_every_mask,
+                  random_order_log_likelihood)
+from lab import estimators, sampler
 from tasks import get_task
 from test_bgpo import grads, random_batch, report, tiny_model
 from tiny_dllm import ModelConfig, TinyDLLM, generate, masked_log_likelihood, sft_loss
 
 def test_random_remasking_samples_from_the_random_order_likelihood():
-    """With remasking="random" and one token per step, generate draws y with probability
+    """With remasking="random" and one token per step, the lab's sampler draws y with probability
     E_sigma p_sigma(y), which random_order_log_likelihood computes (its second output): the 81
     probabilities over two positions sum to 1 and match the frequencies of 20,000 samples."""
     model, N = tiny_model(), 20000
     x, _ = random_batch(B=1, L=2)
-    y = generate(model, x.expand(N, -1), 2, temperature=1.0, generator=torch.Generator().manual_seed(0), remasking="random")
+    y = sampler.generate(model, x.expand(N, -1), 2, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                         remasking="random")
     tokens = [t for t in range(10) if t != 1]                                      # every id but MASK
     with torch.no_grad():
         exact = {(a, b): random_order_log_likelihood(model, x[0], torch.tensor([a, b]))[1].exp().item()
@@ -56,7 +58,8 @@ def test_exact_elbo_gradient_is_the_probability_weighted_sum_of_per_mask_gradien
     exact_elbo(model, x[0], y[0]).backward()
     autograd = grads(model)
     model.zero_grad()
-    for k in range(1, 5):                                                          # k ~ U{1..4}, then a uniform k-set
+    # k ~ U{1..4}, then a uniform k-set
+    for k in range(1, 5):
         for S in itertools.combinations(range(4), k):
             mask = torch.zeros(1, 4, dtype=torch.bool)
             mask[0, list(S)] = True
@@ -68,8 +71,10 @@ def assert_moments(draws, mean, var, what):
     """Sample mean and variance of many draws against exact values, within 4.5 standard errors."""
     n, m, v = len(draws), draws.mean(), draws.var()
     se_mean, se_var = (v / n).sqrt(), (((draws - m) ** 4).mean() - v**2).clamp(min=0).div(n).sqrt()
-    assert abs(m - mean) < 4.5 * se_mean + 1e-12, f"{what}: mean {m:.5f} vs exact {float(mean):.5f} (SE {se_mean:.5f})"
-    assert abs(v - var) < 4.5 * se_var + 1e-12, f"{what}: variance {v:.5f} vs exact {float(var):.5f} (SE {se_var:.5f})"
+    assert abs(m - mean) < 4.5 * se_mean + 1e-12, (
+        f"{what}: mean {m:.5f} vs exact {float(mean):.5f} (SE {se_mean:.5f})")
+    assert abs(v - var) < 4.5 * se_var + 1e-12, (
+        f"{what}: variance {v:.5f} vs exact {float(var):.5f} (SE {se_var:.5f})")
 
 @pytest.mark.parametrize("n_t", [1, 3, 5])
 def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_match_their_samplers(n_t):
@@ -78,10 +83,12 @@ def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_ma
     elbo = exact_elbo(model, x[0], y[0]).item()
     masks, logp, a, full = estimators.exact_table(model, x[0], y[0])
     stats = estimators.size_stats(a, L)
-    # iid: E[a(S)/t] = int_0^1 sum_S t^(k-1) (1-t)^(L-k) a(S) dt, a polynomial in t: 8 Gauss-Legendre nodes are exact
+    # iid: E[a(S)/t] = int_0^1 sum_S t^(k-1) (1-t)^(L-k) a(S) dt, a polynomial in t:
+    # 8 Gauss-Legendre nodes are exact
     k = masks.sum(1).double()
     nodes, weights = np.polynomial.legendre.leggauss(8)
-    iid_mean = sum(w / 2 * (t ** (k - 1) * (1 - t) ** (L - k) * a[1:]).sum() for t, w in zip((nodes + 1) / 2, weights))
+    iid_mean = sum(w / 2 * (t ** (k - 1) * (1 - t) ** (L - k) * a[1:]).sum()
+                   for t, w in zip((nodes + 1) / 2, weights))
     strat_mean, strat_var = estimators.stratified_moments(stats, n_t)
     anti_mean, anti_var = estimators.antithetic_moments(a, L)
     for name, mean in (("iid", iid_mean), ("stratified", strat_mean), ("antithetic", anti_mean)):
@@ -89,7 +96,8 @@ def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_ma
     N, g = 5000, torch.Generator().manual_seed(n_t)
     with torch.no_grad():
         strat = elbo_terms(model, x.expand(N, -1), y.expand(N, -1), draw_mc_samples(N, L, n_t, g)).mean(1)
-        anti = estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1), y.expand(N, -1), generator=g)
+        anti = estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1),
+                                           y.expand(N, -1), generator=g)
     assert_moments(strat, strat_mean, strat_var, f"stratified, n_t={n_t}")
     assert_moments(anti, anti_mean, anti_var / n_t, f"antithetic, {n_t} pairs")
 
@@ -97,46 +105,54 @@ def test_antithetic_pair_variance_against_two_independent_draws_and_stratified_t
     """Measured, not assumed: on a random model, over 8 sequences, the pair (2 forward passes) has less
     than half the variance of two independent count-form draws and of the stratified n_t = 2 (also 2
     passes). On the trained Countdown model it is the other way round against the stratified pair
-    (lab/README.md, python -m lab.bench_estimators): there the mask count matters more than which positions are masked."""
+    (lab/README.md, python -m lab.bench_estimators): there the mask count matters more than which
+    positions are masked."""
     model, ratios = tiny_model(), []
     for seed in range(8):
         x, y = random_batch(B=1, L=6, seed=seed)
         a = estimators.exact_table(model, x[0], y[0])[2]
         stats = estimators.size_stats(a, 6)
-        pair, single, strat = estimators.antithetic_moments(a, 6)[1], estimators.count_form_moments(stats)[1], \
-            estimators.stratified_moments(stats, 2)[1]
+        pair = estimators.antithetic_moments(a, 6)[1]
+        single = estimators.count_form_moments(stats)[1]
+        strat = estimators.stratified_moments(stats, 2)[1]
         ratios.append((float(pair / (single / 2)), float(pair / strat)))
     ratios = np.array(ratios)
-    print("Var(pair) / Var(2 independent):", ratios[:, 0].round(3), "Var(pair) / Var(stratified 2):", ratios[:, 1].round(3))
+    print("Var(pair) / Var(2 independent):", ratios[:, 0].round(3),
+          "Var(pair) / Var(stratified 2):", ratios[:, 1].round(3))
     assert (ratios < 0.5).all()
 
 def test_coupled_one_step_trajectory_and_stp_estimators_have_the_exact_moments_enumeration_gives():
     model, L, N = tiny_model(max_len=14), 6, 8000
     x, y = random_batch(B=2, P=4, L=L)
-    commit = generate(model, x, L, steps=4, block_len=3, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                      return_steps=True)[1]
-    y = generate(model, x, L, steps=4, block_len=3, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    commit = generate(model, x, L, steps=4, block_len=3, temperature=1.0,
+                      generator=torch.Generator().manual_seed(0), return_steps=True)[1]
+    y = generate(model, x, L, steps=4, block_len=3, temperature=1.0,
+                 generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([True, False, False, True, False, False])
     masks, logp, a, full = estimators.exact_table(model, x[0], y[0])
     many = lambda t: t[:1].expand(N, -1)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        traj = estimators.trajectory_log_likelihood(model, x[:1], y[:1], commit[:1]).item()    # one forward per step
+        # one forward per step
+        traj = estimators.trajectory_log_likelihood(model, x[:1], y[:1], commit[:1]).item()
         cases = {
             "DiffuCoder": (estimators.diffucoder_moments(a, full[-1].sum(), L),
                            estimators.diffucoder_coupled(model, many(x), many(y), g)),
-            "one-step, p=0.15": ([m[0] for m in estimators.one_step_prompt_mask_moments(model, x[0], y[:1], 0.15)],
-                                 estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, g)),
+            "one-step, p=0.15": (
+                [m[0] for m in estimators.one_step_prompt_mask_moments(model, x[0], y[:1], 0.15)],
+                estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, g)),
             "STP": (estimators.count_form_moments(estimators.size_stats(a, L, ~anchors)),
                     estimators.stp_log_likelihood(model, many(x), many(y), anchors.expand(N, -1), g))}
         for block_len in (3, 6):
-            cases[f"dTRPO, blocks of {block_len}"] = (estimators.trajectory_moments(full, commit[0], block_len),
+            cases[f"dTRPO, blocks of {block_len}"] = (
+                estimators.trajectory_moments(full, commit[0], block_len),
                 estimators.dtrpo_log_likelihood(model, many(x), many(y), many(commit), block_len, g))
     for name, ((mean, var), draws) in cases.items():
         assert_moments(draws, mean, var, name)
     for block_len in (3, 6):
         table_sum = estimators.trajectory_moments(full, commit[0], block_len)[0]
-        assert abs(table_sum - traj) < 1e-10, f"trajectory sum: table {table_sum:.12f} vs K forwards {traj:.12f}"
+        assert abs(table_sum - traj) < 1e-10, (
+            f"trajectory sum: table {table_sum:.12f} vs K forwards {traj:.12f}")
     stp_mean = estimators.anchored_elbo(model, x[0], y[0], ~anchors).item()
     assert abs(cases["STP"][0][0] - stp_mean) < 1e-10
 
@@ -146,10 +162,14 @@ def test_estimators_reject_bad_shapes_with_a_value_error_naming_the_argument():
     commit = torch.arange(5).expand(3, 5)
     for call, name in ((lambda: estimators.one_step_log_likelihood(model, x[:2], y), "prompts, completions"),
                        (lambda: estimators.antithetic_elbo(model, x, y[:, None]), "prompts, completions"),
-                       (lambda: estimators.one_step_log_likelihood(model, x, y, prompt_mask_prob=1.5), "prompt_mask_prob"),
-                       (lambda: estimators.trajectory_log_likelihood(model, x, y, commit[:, :4]), "commit_steps"),
+                       (lambda: estimators.one_step_log_likelihood(model, x, y, prompt_mask_prob=1.5),
+                        "prompt_mask_prob"),
+                       (lambda: estimators.trajectory_log_likelihood(model, x, y, commit[:, :4]),
+                        "commit_steps"),
                        (lambda: estimators.dtrpo_log_likelihood(model, x, y, commit - 1), "commit_steps"),
-                       (lambda: estimators.stp_log_likelihood(model, x, y, torch.ones(3, 5, dtype=torch.bool)), "anchors")):
+                       (lambda: estimators.stp_log_likelihood(model, x, y,
+                                                              torch.ones(3, 5, dtype=torch.bool)),
+                        "anchors")):
         with pytest.raises(ValueError, match=name):
             call()
 
@@ -160,7 +180,8 @@ def test_one_step_estimate_is_its_closed_form_and_is_not_the_elbo():
         one_step = estimators.one_step_log_likelihood(model, x, y)
         for b in range(3):
             masks, logp = log_probs_under_every_mask(model, x[b], y[b])
-            closed_form = logp[-1].sum()                                           # the all-masked row, summed
+            # the all-masked row, summed
+            closed_form = logp[-1].sum()
             gap = one_step[b] - exact_elbo(model, x[b], y[b])
             print(f"sequence {b}: one-step {one_step[b]:.4f}, ELBO minus it {-gap:.4f} nats")
             assert abs(one_step[b] - closed_form) < 1e-12
@@ -175,7 +196,8 @@ def sudoku_toy():
     task, g = get_task("sudoku"), torch.Generator().manual_seed(0)
     x, y = bgpo.encode(task, *task.sample(256, "train", 0))
     torch.manual_seed(0)
-    model = TinyDLLM(ModelConfig(vocab_size=task.tokenizer.vocab_size, n_layer=1, n_head=1, n_embd=16, max_len=35))
+    model = TinyDLLM(ModelConfig(vocab_size=task.tokenizer.vocab_size, n_layer=1, n_head=1, n_embd=16,
+                                 max_len=35))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(150):
         rows = torch.randint(0, 256, (64,), generator=g)
@@ -185,9 +207,11 @@ def sudoku_toy():
     torch.set_default_dtype(old)
     return model, prompts, *bgpo.encode(task, prompts, answers)
 
-# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the 0.6M model's)
+# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the
+# 0.6M model's)
 
-# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the 0.6M model's)
+# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the
+# 0.6M model's)
 @pytest.mark.parametrize("b, lower", [(0, True), (1, True), (2, True), (3, True)])
 def test_stp_anchors_variance_against_no_anchors_exactly_on_a_trained_sudoku_model(sudoku_toy, b, lower):
     """STP's claim, "strictly reduces the variance of the log-likelihood estimation", checked exactly

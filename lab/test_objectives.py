@@ -16,6 +16,7 @@ from lab import objectives, rl
 from lab.estimators import dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood, trajectory_log_likelihood
 from lab.radd import generate_radd
 from test_bgpo import grads, on_policy_setup, random_batch, report, tiny_model
+from lab.sampler import generate as lab_generate
 from tiny_dllm import generate
 
 def lab_args(**settings):
@@ -125,7 +126,8 @@ def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_i
     prior = torch.randint(2, 10, (16, 8), generator=g).masked_fill(~anchors, 1)
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
-    y, commit = generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior, early_stop=0.5)
+    y, commit = lab_generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior,
+                         early_stop=0.5)
     assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), "anchors: in place, never committed"
     assert not (y == 1).any() and (commit[~anchors] >= 0).all(), "the early stop filled every masked position"
     passes = int(commit.max()) + 1
@@ -153,7 +155,7 @@ def test_trajectory_backward_is_the_gradient_of_the_trajectory_objective():
 
 def test_the_update_is_built_from_its_positive_and_negative_parts_and_adds_up_to_the_full_step():
     """lab.rl backpropagates the rows with A > 0 and those with A < 0 separately; the parts it reports
-    must be the gradients of A+ and A- on the whole batch, and its step that of bgpo.py's one backward."""
+    must be the gradients of A+ and A- on the whole batch, and its step that of one backward on the batch."""
     model, x, y, mc, old_terms, A = on_policy_setup()
     parts = []
     for a in (A.clamp(min=0), A.clamp(max=0), A):
@@ -164,8 +166,12 @@ def test_the_update_is_built_from_its_positive_and_negative_parts_and_adds_up_to
     assert torch.allclose(g_pos + g_neg, g_full, atol=1e-12)
     batch, state, stats = Rollouts(["?"] * 6, x, y, None, None, None), {"mc": mc, "old_terms": old_terms}, {}
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    loss = bgpo.rl_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rl.split_by_sign(bgpo.OBJECTIVES["bgpo"], stats),
-                          batch, state, A, lab_args(updates_per_batch=1, mc_samples=6))
+    split = rl.split_by_sign(objectives.OBJECTIVES["bgpo"], stats)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer.zero_grad()
+    loss = split.backward(model, batch, state, A, lab_args(updates_per_batch=1, mc_samples=6), 0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert stats["grad_pos"] == pytest.approx(g_pos.norm().item(), rel=1e-9)
     assert stats["grad_neg"] == pytest.approx(g_neg.norm().item(), rel=1e-9)
@@ -199,3 +205,22 @@ def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
     expected = n_steps * (1 - (1 - 1 / n_steps) ** L)
     se = calls.std() / math.sqrt(len(calls))
     assert abs(calls.mean() - expected) < 4 * se, f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}"
+
+def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_updates(tmp_path, monkeypatch):
+    """lab.rl's loop is bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no lab
+    option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
+    (in one) by float rounding only."""
+    from test_bgpo import read_log, tiny_argv
+    # a tiny model's groups all tie: fixed advantages of both signs make every step update
+    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2", "--rl-steps", "3"]
+    bgpo.main(tiny_argv(tmp_path, *same, "--run-name", "tutorial"))
+    rl.main(tiny_argv(tmp_path, *same, "--run-name", "lab", "--stage", "rl"))
+    logs = [read_log(tmp_path / name / "log.jsonl") for name in ("tutorial", "lab")]
+    for key in ("reward", "solved", "valid", "mixed_groups", "accuracy"):
+        assert [r.get(key) for r in logs[0]] == [r.get(key) for r in logs[1]], key
+    weights = [torch.load(tmp_path / name / "ckpt.pt", weights_only=True)["model"] for name in ("tutorial", "lab")]
+    sft = torch.load(bgpo.sft_path(bgpo.parse_args(tiny_argv(tmp_path, *same))), weights_only=True)["model"]
+    assert any(not torch.equal(value, sft[name]) for name, value in weights[0].items()), "RL moved the weights"
+    for name, value in weights[0].items():
+        assert torch.allclose(value, weights[1][name], rtol=0, atol=1e-12), name
