@@ -79,8 +79,8 @@ def elbo_terms(model, prompts, completions, mc):
     All B*M masked copies go through the model as one batch. B_hat = mean_j l_j (Eq. 5)."""
     check_shapes(prompts, completions, mc)
     (B, M), L = mc.weight.shape, completions.shape[1]
-    mask = mc.mask.reshape(B * M, L).to(completions.device)
-    logp = masked_log_likelihood(model, prompts.repeat_interleave(M, 0), completions.repeat_interleave(M, 0), mask)
+    x, y = prompts.repeat_interleave(M, 0), completions.repeat_interleave(M, 0)    # (B*M, P), (B*M, L)
+    logp = masked_log_likelihood(model, x, y, mc.mask.reshape(B * M, L).to(y.device))
     return mc.weight.to(logp) * logp.view(B, M)
 
 # -----------------------------------------------------------------------------
@@ -255,8 +255,9 @@ def evaluate(model, task, prompts, args, n_show=3):
     rewards = [task.reward(prompt, text) for prompt, text in zip(prompts, texts)]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
     shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
+    examples = [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown[:n_show]]
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
-            "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown[:n_show]]}
+            "examples": examples}
 
 def save_checkpoint(path, **state):
     """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
@@ -343,13 +344,15 @@ def run_sft(args, task):
     torch.manual_seed(args.seed)  # the initial weights
     model = make_model(task, args).to(args.device)
     data = f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"
-    print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on {data}")
+    print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | "
+          f"SFT on {data}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed)
-    batches, val_prompts, test_prompts = sft_batches(task, args, generator), validation(task, args), held_out(task, args)
+    batches = sft_batches(task, args, generator)
+    val_prompts, test_prompts = validation(task, args), held_out(task, args)
     best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
-    bar = tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False, disable=None)  # terminal only
-    for step in bar:
+    steps = range(1, args.sft_steps + 1)
+    for step in tqdm(steps, desc=f"SFT {task.name}", leave=False, disable=None):  # a bar on a terminal only
         t0 = time.time()
         losses.append(sft_step(model, optimizer, *next(batches), sft_lr_at(args, step), generator))
         seconds += time.time() - t0
@@ -364,9 +367,9 @@ def run_sft(args, task):
             best = curve[-1]
             save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
                             config=asdict(model.config), step=step, model=model.state_dict(), curve=curve)
-        tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward {val['reward']:.3f} "
-                   f"(accuracy {val['accuracy']:5.1%}) | held-out accuracy {test['accuracy']:5.1%} | "
-                   f"{curve[-1]['seconds']:.0f} s" + (" | best so far" if improved else ""))
+        tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
+                   f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
+                   f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
         if step - best["step"] >= args.sft_patience * args.sft_eval_every:
             print(f"SFT stops: no better validation reward for {args.sft_patience} evaluations")
             break
@@ -455,11 +458,12 @@ def run_rl(args, task, model):
     return log.history
 
 class RLLog:
-    """An RL run's bookkeeping, which the lab's loop shares: its folder (--out-dir/--run-name), resuming,
-    the step-0 and every --eval-every held-out evaluation, log.jsonl, one line per step, checkpoints."""
+    """An RL run's bookkeeping, shared with the lab's loop: its folder (--out-dir/--run-name), resuming, the
+    held-out evaluations (step 0 and every --eval-every), log.jsonl with one record a step, checkpoints."""
 
     def __init__(self, args, task, model, optimizer, generator):
-        self.args, self.task, self.model, self.optimizer, self.generator = args, task, model, optimizer, generator
+        self.args, self.task, self.model = args, task, model
+        self.optimizer, self.generator = optimizer, generator
         run_dir = os.path.join(args.out_dir, args.run_name)
         self.ckpt_path, self.log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
         self.eval_prompts = held_out(task, args)
@@ -473,11 +477,9 @@ class RLLog:
             print(f"resumed {self.ckpt_path} at step {state['step']}")
         else:
             os.makedirs(run_dir, exist_ok=True)
-            self.start, self.history = 1, []
+            self.start, self.history, record = 1, [], {"step": 0}
             show_unmasking(model, task, self.eval_prompts[0], args)
-            record = {"step": 0}
-            text = self.evaluate(record)
-            print(f"step 0 (SFT model): {text}\n" + "\n".join(self.history[-1]["examples"]))
+            print(f"step 0 (SFT model): {self.evaluate(record)}\n" + "\n".join(self.history[-1]["examples"]))
             lines = [json.dumps(record)]
         with open(self.log_path, "w") as f:  # the log matches the checkpoint: drop lines written after it
             f.writelines(line + "\n" for line in lines if json.loads(line)["step"] < self.start)
@@ -485,35 +487,33 @@ class RLLog:
 
     def evaluate(self, record):
         """Greedy answers to the held-out problems: adds accuracy and eval_reward to record; returns text."""
-        self.history.append({"step": record["step"], **evaluate(self.model, self.task, self.eval_prompts, self.args)})
+        self.history.append({"step": record["step"], **evaluate(self.model, self.task, self.eval_prompts,
+                                                                 self.args)})
         record.update(accuracy=self.history[-1]["accuracy"], eval_reward=self.history[-1]["reward"])
         return f"held-out accuracy {record['accuracy']:.1%} (reward {record['eval_reward']:.3f})"
 
     def step(self, step, batch, loss, activation_bytes, seconds, fields=None, text=None):
         """Log one step (fields and text: the lab's); evaluate and save when due."""
-        r, groups = batch.rewards, reward_groups(batch.rewards, self.args.group_size)
+        args, r, groups = self.args, batch.rewards, reward_groups(batch.rewards, self.args.group_size)
         record = {"step": step, "reward": r.mean().item(), "reward_std": r.std().item(),
-                  "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),  # groups with A != 0
+                  "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),  # A != 0
                   "solved": (r == 1.0).double().mean().item(),
-                  "valid": sum(map(self.task.valid, batch.prompts, batch.texts)) / len(r),
-                  "loss": loss, "activation_mb": activation_bytes / 2**20, "seconds": seconds, **(fields or {})}
-        line = [f"step {step:4d} | reward {record['reward']:.3f} ± {record['reward_std']:.3f}",
-                f"mixed groups {record['mixed_groups']:4.0%}", f"solved {record['solved']:5.1%}",
-                f"act {record['activation_mb']:.1f} MB", f"{record['seconds']:.2f} s"] + ([text] if text else [])
-        if self.evaluates(step):
-            line.append(self.evaluate(record))
-        print(" | ".join(line) + ("\n" + "\n".join(self.history[-1]["examples"]) if "accuracy" in record else ""))
+                  "valid": sum(map(self.task.valid, batch.prompts, batch.texts)) / len(r), "loss": loss,
+                  "activation_mb": activation_bytes / 2**20, "seconds": seconds, **(fields or {})}
+        line = (f"step {step:4d} | reward {record['reward']:.3f} ± {record['reward_std']:.3f} | "
+                f"mixed groups {record['mixed_groups']:4.0%} | solved {record['solved']:5.1%} | act "
+                f"{record['activation_mb']:.1f} MB | {seconds:.2f} s" + (f" | {text}" if text else ""))
+        if step % args.eval_every == 0 or step == args.rl_steps:
+            line += f" | {self.evaluate(record)}\n" + "\n".join(self.history[-1]["examples"])
+        print(line)
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if step % self.args.save_every == 0 or step == self.args.rl_steps:
+        if step % args.save_every == 0 or step == args.rl_steps:
             save_checkpoint(self.ckpt_path, stage="rl", task=self.task.name, vocab=self.task.tokenizer.itos,
                             config=asdict(self.model.config), step=step, model=self.model.state_dict(),
                             optimizer=self.optimizer.state_dict(), rng=self.generator.get_state(),
                             history=self.history)
             self.good_step = step
-
-    def evaluates(self, step):
-        return step % self.args.eval_every == 0 or step == self.args.rl_steps
 
     def diverged(self, step, loss):
         kept = f"{self.ckpt_path} (step {self.good_step})" if self.good_step else "none yet"
@@ -525,7 +525,7 @@ def show_unmasking(model, task, prompt, args):
     x = encode(task, [prompt], device=args.device)
     y, commit_steps = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
                                return_steps=True)
-    states = [task.decode(y[0].masked_fill(commit_steps[0] > s, model.config.mask_id).cpu(), stop_at_eos=False)
+    states = [task.decode(y[0].masked_fill(commit_steps[0] > s, model.config.mask_id).cpu(), False)
               for s in range(int(commit_steps.max()) + 1)]
     print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; "
           f"_ is MASK, $ the end):\n" + textwrap.fill("  ".join(states), 100, initial_indent="    ",
@@ -576,7 +576,8 @@ def bench_memory(args, task):
         settings = argparse.Namespace(**{**vars(args), "objective": objective, "mc_chunk": mc_chunk,
                                          "updates_per_batch": 1})
         mc = draw_mc_samples(len(A), task.gen_len, n_t, generator).to(args.device)
-        return measure_update(model, optimizer, lambda: rl_backward(model, batch, mc, None, A, settings), args)
+        backward = lambda: rl_backward(model, batch, mc, None, A, settings)
+        return measure_update(model, optimizer, backward, args)
 
     print(f"model {model.num_params() / 1e6:.2f}M params | task {task.name} | batch B = {args.group_size} x "
           f"{args.prompts_per_step} = {len(A)}, L = {task.gen_len} | device {args.device} | "
@@ -587,8 +588,10 @@ def bench_memory(args, task):
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         naive, bgpo = measure("naive", n_t), measure("bgpo", n_t)
-        rows.append({"n_t": n_t, "naive_mb": naive[0], "bgpo_mb": bgpo[0], "naive_s": naive[1], "bgpo_s": bgpo[1],
-                     **({"naive_cuda_mb": naive[2], "bgpo_cuda_mb": bgpo[2]} if cuda else {})})
+        rows.append({"n_t": n_t, "naive_mb": naive[0], "bgpo_mb": bgpo[0], "naive_s": naive[1],
+                     "bgpo_s": bgpo[1]})
+        if cuda:
+            rows[-1].update(naive_cuda_mb=naive[2], bgpo_cuda_mb=bgpo[2])
         cuda_cells = f" | {naive[2]:>13.1f} {bgpo[2]:>12.1f}" if cuda else ""
         print(f"{n_t:>4} | {naive[0]:>9.1f} {bgpo[0]:>8.1f} {naive[0] / bgpo[0]:>10.2f} | {naive[1]:>8.3f} "
               f"{bgpo[1]:>7.3f} {bgpo[1] / naive[1]:>10.2f}" + cuda_cells)
@@ -627,12 +630,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # adds "(default: ...)" unless the help already says it
         return action.help if "default:" in action.help else super()._get_help_string(action)
 
-def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learning of a tiny masked diffusion LM."):
+def make_parser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked diffusion LM."):
     """The tutorial's flags. Adding a flag again replaces it (the lab's --objective does)."""
-    p = ArgumentParser(prog=prog, description=description, conflict_handler="resolve", formatter_class=HelpFormatter)
+    p = ArgumentParser(prog=prog, description=description, conflict_handler="resolve",
+                       formatter_class=HelpFormatter)
     a = p.add_argument
     # what to run
-    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from the SFT checkpoint), or both")
+    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from its checkpoint), or both")
     a("--task", default="countdown", help=f"one of {', '.join(TASKS)}")
     a("--seed", type=int, default=0, help="seed for weights, data and sampling")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
@@ -645,18 +649,18 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--n-embd", type=positive_int, default=128, help="embedding width")
     # SFT
     a("--demos", type=non_negative_int, default=None,
-      help=f"training problems with answers that SFT learns from; 0: fresh ones every step (default: {DEMOS})")
+      help=f"training problems with answers that SFT learns from; 0: fresh ones each step (default: {DEMOS})")
     a("--sft-steps", type=positive_int, default=2000, help="most SFT steps; the cosine schedule spans them")
     a("--sft-lr", type=positive_float, default=1e-3, help="SFT peak learning rate")
     a("--batch-size", type=positive_int, default=128, help="SFT batch size")
     a("--sft-eval-every", type=positive_int, default=50, help="SFT steps between validation scores")
-    a("--sft-patience", type=positive_int, default=4, help="stop SFT after this many scores without a better one")
+    a("--sft-patience", type=positive_int, default=4, help="scores without a better one before SFT stops")
     a("--val-size", type=positive_int, default=200, help="validation problems, to choose the SFT model")
     # RL
-    a("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive ELBO objective")
+    a("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
     a("--mc-samples", type=positive_int, default=8, help="MC samples n_t per completion")
     a("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO")
-    a("--updates-per-batch", type=positive_int, default=1, help="passes over each rollout batch; 1 = on-policy")
+    a("--updates-per-batch", type=positive_int, default=1, help="passes over a rollout batch; 1 = on-policy")
     a("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1")
     a("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each")
     a("--rl-lr", type=positive_float, default=1e-4, help="RL learning rate")
@@ -666,7 +670,7 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO reinforcement learni
     a("--group-size", type=positive_int, default=8, help="completions per prompt, G")
     a("--temperature", type=float, default=1.3, help="rollout temperature; evaluation is greedy")
     a("--gen-steps", type=positive_int, default=None, help="denoising steps (default: L, one token per step)")
-    a("--block-len", type=positive_int, default=None, help="semi-autoregressive block (default: L, one block)")
+    a("--block-len", type=positive_int, default=None, help="block length (default: L, one block)")
     a("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps")
     a("--eval-size", type=positive_int, default=500, help="held-out problems")
     a("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps")
@@ -692,12 +696,13 @@ def check_args(p, args):
     blocks = math.ceil(L / (args.block_len or L))
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     if not args.run_name:
-        args.run_name = f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}_seed{args.seed}"
+        args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}"
+                         f"_seed{args.seed}")
     run_dir = os.path.join(args.out_dir, args.run_name)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.group_size < 2:
-        p.error(f"--group-size must be at least 2 (group advantages compare completions), got {args.group_size}")
+        p.error(f"--group-size must be at least 2 (advantages compare completions), got {args.group_size}")
     if args.mc_chunk > 1 and args.objective != "bgpo":
         p.error(f"--mc-chunk is an option of --objective bgpo, not {args.objective}")
     if args.mc_chunk > args.mc_samples:
@@ -717,7 +722,7 @@ def check_args(p, args):
     if not device_available(args.device):
         p.error(f"--device {args.device} is not available here")
     if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        args.device = next(d for d in ("cuda", "mps", "cpu") if device_available(d))
     return args
 
 def parse_args(argv=None):
@@ -807,7 +812,7 @@ def random_order_from_table(masks, logp):
     for k in range(1, L + 1):
         rows = (size == k).nonzero()[:, 0]                           # the sets of size k
         S = rows + 1
-        child = S[:, None] & ~bit                                    # S - i for each i (S itself if i not in S)
+        child = S[:, None] & ~bit                                    # S - i for each i (S if i not in S)
         inside = masks[rows]
         f = f.index_put((S,), ((logp[rows] + f[child]) * inside).sum(1) / k)
         h_of_S = (logp[rows] + h[child]).masked_fill(~inside, float("-inf")).logsumexp(1) - math.log(k)

@@ -17,8 +17,8 @@ import torch
 
 import bgpo
 import tasks
-from bgpo import (ActivationMemory, Rollouts, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, exact_elbo,
-                  group_advantages, naive_loss, naive_objective, random_order_log_likelihood)
+from bgpo import (ActivationMemory, Rollouts, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms,
+                  exact_elbo, group_advantages, naive_loss, naive_objective, random_order_log_likelihood)
 from tasks import TOKENIZER, get_task
 from tiny_dllm import ModelConfig, TinyDLLM, forward_process, generate, masked_log_likelihood, sft_loss
 
@@ -34,7 +34,8 @@ def float64():
 def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
     """A random model whose conditionals differ clearly from position to position."""
     torch.manual_seed(seed)
-    model = TinyDLLM(ModelConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16, max_len=max_len, mask_id=1))
+    model = TinyDLLM(ModelConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16, max_len=max_len,
+                                 mask_id=1))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=scale)
     return model
@@ -42,7 +43,9 @@ def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
 def random_batch(B=6, P=3, L=5, vocab_size=10, seed=0):
     """Prompts and completions of ordinary tokens (ids 2.., never MASK=1)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab_size, (B, P), generator=g), torch.randint(2, vocab_size, (B, L), generator=g)
+    prompts = torch.randint(2, vocab_size, (B, P), generator=g)
+    completions = torch.randint(2, vocab_size, (B, L), generator=g)
+    return prompts, completions
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -89,8 +92,8 @@ def test_sft_loss_equals_hand_computation_for_a_fixed_mask():
         by_hand.append(sum(logp[3 + i, y[b, i]] for i in range(5) if mask[b, i]))
     got = masked_log_likelihood(model, x, y, mask)
     assert torch.allclose(got, torch.stack(by_hand), atol=1e-12), report(got, torch.stack(by_hand))
-    # sft_loss = -(1/L) mean_b (L/k_b) * that sum, for the mask its generator draws
-    mask, weight = (v[:, 0] for v in forward_process(3, 5, 1, torch.Generator().manual_seed(7)))   # one copy each
+    # sft_loss = -(1/L) mean_b (L/k_b) * that sum, for the mask its generator draws (one copy each)
+    mask, weight = (v[:, 0] for v in forward_process(3, 5, 1, torch.Generator().manual_seed(7)))
     assert torch.equal(weight, 5.0 / mask.sum(1))
     expected = -(weight * masked_log_likelihood(model, x, y, mask)).mean() / 5
     got = sft_loss(model, x, y, generator=torch.Generator().manual_seed(7))
@@ -136,7 +139,8 @@ def test_train_validation_and_test_splits_are_disjoint(name):
     keys = {}
     for i, split in enumerate(("train", "validation", "test")):
         prompts, answers = task.sample(3000 if split == "train" else 300, split, i)
-        assert all(task.reward(p, a) == 1.0 for p, a in zip(prompts, answers)), "reference answers must score 1"
+        assert all(task.reward(p, a) == 1.0 for p, a in zip(prompts, answers)), (
+            "reference answers must score 1")
         keys[split] = set(map(key, prompts, answers))
     for a, b in itertools.combinations(keys, 2):
         assert not keys[a] & keys[b], f"{name}: {a} and {b} share problems"
@@ -201,8 +205,10 @@ def test_exact_elbo_equals_random_order_log_likelihood_and_bounds_it():
     x, y = random_batch(B=3)
     for b in range(3):
         elbo = exact_elbo(model, x[b], y[b])                               # sum over the 31 mask sets
-        expected_log_lik, log_expected_lik = random_order_log_likelihood(model, x[b], y[b])  # DP over the 32 sets
-        assert abs(elbo - expected_log_lik) < 1e-9, f"ELBO {elbo:.12f} vs E_sigma log p {expected_log_lik:.12f}"
+        # DP over the 32 sets
+        expected_log_lik, log_expected_lik = random_order_log_likelihood(model, x[b], y[b])
+        assert abs(elbo - expected_log_lik) < 1e-9, (
+            f"ELBO {elbo:.12f} vs E_sigma log p {expected_log_lik:.12f}")
         assert elbo <= log_expected_lik + 1e-12
         assert log_expected_lik - elbo > 1e-3, "the Jensen gap should be visible for a random model"
 
@@ -231,7 +237,8 @@ def test_iid_draws_follow_their_law_whose_expectation_by_quadrature_is_the_exact
     t, count = 1 / mc.weight[:, 0], mc.mask[:, 0].sum(1).double()
     assert ((t > 0) & (t <= 1)).all()
     for name, z, mean in (("t", t, 0.5), ("count - L t", count - L * t, 0.0)):
-        assert abs(z.mean() - mean) < 4 * z.std() / math.sqrt(len(z)), f"{name}: mean {z.mean():.4f}, not {mean}"
+        assert abs(z.mean() - mean) < 4 * z.std() / math.sqrt(len(z)), (
+            f"{name}: mean {z.mean():.4f}, not {mean}")
     masks, logp = bgpo.log_probs_under_every_mask(model, x[0], y[0])
     size, a = masks.sum(1), (logp * masks).sum(1)                          # |S| and a(S) for every set S
     nodes, weights = np.polynomial.legendre.leggauss(16)                   # on [-1, 1]: map to [0, 1]
@@ -296,7 +303,10 @@ def test_on_policy_old_terms_can_come_from_the_updates_own_forward(loss_of):
     g = {}
     for name, old in (("separate pass", old_terms), ("own forward", None)):
         model.zero_grad()
-        bgpo_backward(model, x, y, mc, old, A) if loss_of == "bgpo" else naive_loss(model, x, y, mc, old, A).backward()
+        if loss_of == "bgpo":
+            bgpo_backward(model, x, y, mc, old, A)
+        else:
+            naive_loss(model, x, y, mc, old, A).backward()
         g[name] = grads(model)
     assert g["own forward"].abs().max() > 1e-3
     assert torch.allclose(g["separate pass"], g["own forward"], rtol=1e-10, atol=1e-12), report(*g.values())
@@ -343,7 +353,8 @@ def test_bgpo_activation_memory_is_flat_and_naive_grows_with_n_t():
     assert peak[32][0] >= 16 * peak[1][0], "the naive objective keeps all n_t graphs alive"
 
 def test_no_nan_or_inf_for_extreme_log_ratios():
-    d = torch.tensor([[-1.0, -3.0, 30.0, 0.0], [-50.0, 2.0, 25.0, -1.0], [700.0, 1.0, -1.5, 0.0]], requires_grad=True)
+    d = torch.tensor([[-1.0, -3.0, 30.0, 0.0], [-50.0, 2.0, 25.0, -1.0], [700.0, 1.0, -1.5, 0.0]],
+                     requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5])
     for clip_eps in (None, 0.2):
         value = bgpo_bound(d, A, 4, clip_eps).sum()   # 1 + d for A >= 0: never log(1 + d), never exp(700)
@@ -366,10 +377,12 @@ def test_group_advantages_by_hand():
 def test_bad_shapes_raise_value_errors_naming_the_argument():
     model, x, y, mc, old_terms, A = on_policy_setup()
     cases = {"completions": dict(completions=y[:5]), "old_terms": dict(old_terms=old_terms[:, :5]),
-             "advantages": dict(advantages=A[:, None]), "mc.mask": dict(mc=bgpo.MCSamples(mc.mask[:, :, :4], mc.weight)),
+             "advantages": dict(advantages=A[:, None]),
+             "mc.mask": dict(mc=bgpo.MCSamples(mc.mask[:, :, :4], mc.weight)),
              "prompts": dict(prompts=x[0])}
     for name, override in cases.items():
-        kwargs = {**dict(model=model, prompts=x, completions=y, mc=mc, old_terms=old_terms, advantages=A), **override}
+        kwargs = {**dict(model=model, prompts=x, completions=y, mc=mc, old_terms=old_terms, advantages=A),
+                  **override}
         for fn in (naive_loss, bgpo_backward):
             with pytest.raises(ValueError, match=name.replace(".", r"\.")):
                 fn(**kwargs)
@@ -437,7 +450,8 @@ def test_rl_warmup_raises_the_learning_rate_linearly(tmp_path, monkeypatch):
         return real(path, **state)
 
     monkeypatch.setattr(bgpo, "save_checkpoint", recording_save)
-    bgpo.main(tiny_argv(tmp_path, "--rl-lr", "1e-3", "--rl-warmup", "4", "--rl-steps", "6", "--eval-every", "6"))
+    bgpo.main(tiny_argv(tmp_path, "--rl-lr", "1e-3", "--rl-warmup", "4", "--rl-steps", "6",
+                        "--eval-every", "6"))
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
 
 def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_path):
@@ -452,7 +466,8 @@ def test_one_on_policy_update_gives_the_same_parameters_for_bgpo_and_naive(tmp_p
         new_params[objective] = torch.cat([p.detach().flatten() for p in m.parameters()])
     moved = (new_params["bgpo"] - torch.cat([p.detach().flatten() for p in model.parameters()])).abs().max()
     assert moved > 1e-3, "the update should move the parameters"
-    assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), report(*new_params.values())
+    assert torch.allclose(new_params["bgpo"], new_params["naive"], rtol=0, atol=1e-9), (
+        report(*new_params.values()))
 
 def test_dropping_tied_groups_leaves_the_gradient_unchanged(tmp_path):
     """rl_backward skips the rows with A = 0 and scales the others' A by their share: the same gradient as
@@ -473,16 +488,20 @@ def test_demonstrations_are_a_fixed_set_of_training_problems(tmp_path):
         numbers, target = p.split(":")
         assert tasks._split_of(",".join(map(str, sorted(map(int, numbers.split(","))))) + ":" + target,
                                task.test_percent, task.validation_percent) == "train", p
-    again = bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40", "--stage", "rl"))
-    assert again == (prompts, answers), "a later run (RL, the control, a resume) must see the same demonstrations"
-    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40", "--seed", "1")) != again
+    again = bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40",
+                                                "--stage", "rl"))
+    assert again == (prompts, answers), (
+        "a later run (RL, the control, a resume) must see the same demonstrations")
+    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--task", "countdown", "--demos", "40",
+                                               "--seed", "1")) != again
     x, y = bgpo.encode(task, prompts, answers)
     known = {tuple(row) for row in torch.cat([x, y], 1).tolist()}
     batches = bgpo.sft_batches(task, args, torch.Generator().manual_seed(0))
     for _ in range(5):                                                    # SFT sees these 40 and nothing else
         bx, by = next(batches)
         assert {tuple(row) for row in torch.cat([bx, by], 1).tolist()} <= known
-    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--demos", "0")) is None   # 0: fresh problems each step
+    # 0: fresh problems each step
+    assert bgpo.demonstrations(task, tiny_args(tmp_path, "--demos", "0")) is None
 
 def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_patience(tmp_path, monkeypatch):
     task, real, snapshots = get_task("arithmetic"), bgpo.evaluate, []
@@ -491,7 +510,7 @@ def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_pat
 
     def scripted_evaluate(model, task, prompts, args, n_show=3):
         result = real(model, task, prompts, args, n_show)
-        if prompts == val_prompts:                                          # the validation score at steps 10, 20, ...
+        if prompts == val_prompts:  # the validation score at steps 10, 20, ...
             result["reward"] = next(scripted)
             snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
         return result
@@ -504,7 +523,8 @@ def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_pat
     assert [c["val_reward"] for c in saved["curve"]] == [0.2, 0.5, 0.4, 0.3]
     for name, value in model.state_dict().items():
         assert torch.equal(value, snapshots[1][name]) and torch.equal(saved["model"][name], value), name
-    assert any(not torch.equal(snapshots[3][n], v) for n, v in snapshots[1].items()), "SFT went on after step 20"
+    assert any(not torch.equal(snapshots[3][n], v) for n, v in snapshots[1].items()), (
+        "SFT went on after step 20")
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     argv = tiny_argv(tmp_path)
@@ -554,7 +574,8 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
         return real(*args) if len(updates) == 1 else float("nan")
 
     monkeypatch.setattr(bgpo, "rl_backward", nan_from_second_step)
-    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.ones(len(rewards)))  # never all tied
+    # never all tied
+    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.ones(len(rewards)))
     with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_u1_seed0" / "ckpt.pt", weights_only=True)

@@ -4,8 +4,10 @@ The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.p
 - estimators.py: the field's other likelihood estimators and their exact moments by enumeration.
 - bench_estimators.py: every estimator against exact enumeration (the paper's Fig. 3 in small).
 - objectives.py: the field's RL objectives (d1's diffu-GRPO, STP, dTRPO, the trajectory control) as
-  bgpo.Objective values, and dTRPO's offline DPO loss.
-- rl.py: bgpo.py's RL loop with those objectives and the lab's diagnostics.
+  Objective values, and dTRPO's offline DPO loss; sampler.py: generate with random remasking and STP's
+  prior and early stop.
+- rl.py: bgpo.py's RL loop with its steps made replaceable: those objectives and the lab's diagnostics.
+- control.py: the control for RL, SFT continued for the RL run's training time.
 - dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), stages.py, radd.py: dTRPO as
   published, every objective's memory, several runs in one figure, one tutorial run's SFT and RL stages
   with its control, RADD's cached sampler.

@@ -24,10 +24,12 @@ def memory_figure(rows):
              ("BGPO, CUDA allocator", "bgpo_cuda_mb"))
     memory = [{"label": name, "x": n, "y": [r[key] for r in rows], "style": "o-"}
               for name, key in names if key in rows[0]]
-    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo_s"] / r["naive_s"] for r in rows], "style": "o-"}]
+    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo_s"] / r["naive_s"] for r in rows],
+              "style": "o-"}]
     return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
                         "yscale": "log", "lines": memory},
-                       {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log", "lines": ratio}]}
+                       {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log",
+                        "lines": ratio}]}
 
 def every_objective_table(args, task):
     """One update of every objective on bgpo.bench_batch's batch, at its sample counts."""
@@ -37,31 +39,38 @@ def every_objective_table(args, task):
     (batch, A, generator), cuda = bench_batch(task, args), args.device.startswith("cuda")
 
     def measure(objective, n):
-        settings = argparse.Namespace(**{**vars(args), "updates_per_batch": 1, "block_len": None, "mc_samples": n})
+        settings = argparse.Namespace(**{**vars(args), "updates_per_batch": 1, "block_len": None,
+                                         "mc_samples": n})
         state = OBJECTIVES[objective].prepare(model, batch, settings, generator)
         backward = lambda: OBJECTIVES[objective].backward(model, batch, state, A, settings, 0)
         return measure_update(model, optimizer, backward, args)
 
     print("\nEvery objective, one update on the same batch: which grow with their sample count")
-    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}" + (f" | {'CUDA MB':>8}" if cuda else ""))
+    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}"
+          + (f" | {'CUDA MB':>8}" if cuda else ""))
     rows = []
-    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)), ("naive", "n_t masked copies", (1, 16)),
-                                    ("stp", "num_t masked copies", (1, 3, 16)), ("diffu-grpo", "1 prompt mask", (1,)),
+    for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)),
+                                    ("naive", "n_t masked copies", (1, 16)),
+                                    ("stp", "num_t masked copies", (1, 3, 16)),
+                                    ("diffu-grpo", "1 prompt mask", (1,)),
                                     ("dtrpo", "1 step per block", (1,)),
                                     ("trajectory", f"all {task.gen_len} steps", (1,))):
         for n in counts:
             mb, s, cuda_mb = measure(objective, n)
             label = what if len(counts) == 1 else f"{n} {what}"
             rows.append({"objective": objective, "samples": n, "act_mb": mb, "s": s})
-            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}" + (f" | {cuda_mb:>8.1f}" if cuda else ""))
+            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}"
+                  + (f" | {cuda_mb:>8.1f}" if cuda else ""))
     return rows
 
 def parse_args(argv=None):
-    p = lab.make_parser("python -m lab.bench_memory", "Activation memory and time of one update of every objective.")
+    p = lab.make_parser("python -m lab.bench_memory",
+                        "Activation memory and time of one update of every objective.")
     p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it "
                    "(the paper's Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed")
     args = bgpo.check_args(p, p.parse_args(argv))
-    args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None   # the lab objectives' options off
+    # the lab objectives' options off
+    args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None
     return args
 
 def main(argv=None):

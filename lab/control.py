@@ -27,8 +27,10 @@ def run_control(args, task):
     generator, test_prompts = torch.Generator().manual_seed(args.seed + 2), held_out(task, args)
     batches, spent = sft_batches(task, args, generator), 0.0
     result = evaluate(model, task, test_prompts, args)
-    print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that {args.run_name} took\n"
-          f"SFT step {step:5d} | held-out accuracy {result['accuracy']:5.1%} (reward {result['reward']:.3f}) | 0 s")
+    print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that "
+          f"{args.run_name} took\n"
+          f"SFT step {step:5d} | held-out accuracy {result['accuracy']:5.1%} "
+          f"(reward {result['reward']:.3f}) | 0 s")
     curve = [{"step": step, "seconds": 0.0, "accuracy": result["accuracy"], "reward": result["reward"]}]
     next_eval = budget / 8
     while spent < budget:
@@ -37,7 +39,8 @@ def run_control(args, task):
         spent += time.time() - t0
         if spent >= min(next_eval, budget):  # 8 evaluations, spread over the time budget
             result, next_eval = evaluate(model, task, test_prompts, args), next_eval + budget / 8
-            curve.append({"step": step, "seconds": spent, "accuracy": result["accuracy"], "reward": result["reward"]})
+            curve.append({"step": step, "seconds": spent, "accuracy": result["accuracy"],
+                          "reward": result["reward"]})
             print(f"SFT step {step:5d} | held-out accuracy {result['accuracy']:5.1%} "
                   f"(reward {result['reward']:.3f}) | {spent:.0f} s")
     with open(os.path.join(run_dir, "control.jsonl.tmp"), "w") as f:

@@ -28,7 +28,7 @@ Where the toy versions depart from their papers:
 4. STP: the count-form ELBO restricted to the free positions (weight F/k), not the STP code's
    unweighted per-token mean over masked copies; the anchors are Sudoku's given cells, not the
    highest-confidence tokens of an offline LLaDA completion. Temporal pruning (early stop) changes
-   rollouts, not the estimator: it is tiny_dllm.generate's early_stop.
+   rollouts, not the estimator: it is lab.sampler.generate's early_stop.
 
 Shapes: B batch, L completion length, P prompt length, K sampler steps, N enumerated sets.
 """

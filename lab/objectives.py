@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from bgpo import MCSamples, Rollouts, bgpo_backward, draw_mc_samples, elbo_terms, naive_loss, ppo_clip, reward_groups
+from bgpo import (MCSamples, Rollouts, bgpo_backward, draw_mc_samples, elbo_terms, naive_loss, ppo_clip,
+                  reward_groups)
 from lab import sampler
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors)
@@ -41,8 +42,9 @@ def diffu_grpo_loss(model, prompts, completions, prompt_mask, old_logp, advantag
     estimate of each token, log p(y^i | x~, completion all MASK), where x~ is the prompt masked at
     prompt_mask (B, P) bool, the same mask for the old and the current policy. old_logp (B, L).
     Departures from d1: 1. group_advantages (z-scored) by default; d1 divides by nothing
-    (d1_advantages, python -m lab.rl --d1-advantages, restores it). 2. No KL term (d1: beta 0.04). 3. mu = 4 inner
-    updates by default (d1: 12). 4. Every completion position counts (d1 stops at the first EOS)."""
+    (d1_advantages, python -m lab.rl --d1-advantages, restores it). 2. No KL term (d1: beta 0.04).
+    3. mu = 4 inner updates by default (d1: 12). 4. Every completion position counts (d1 stops at the
+    first EOS)."""
     if tuple(prompt_mask.shape) != tuple(prompts.shape):
         raise ValueError(f"prompt_mask: expected {tuple(prompts.shape)}, got {tuple(prompt_mask.shape)}")
     x = prompts.masked_fill(prompt_mask.to(prompts.device), model.config.mask_id)
@@ -59,7 +61,8 @@ def stp_loss(model, prompts, completions, mc, old_logp, advantages, clip_eps=0.2
     so there STP is temporal pruning only. 3. The early stop counts tokens in place, tau = 0.75 by
     default (STP: 0.95 of 256 tokens; 0.95 of 10 tokens would be the last token only). 4. No KL
     term (STP: beta 0.04). 5. group_advantages, not STP's (r - mean) / (std + 1e-4)."""
-    return token_grpo_loss(stp_token_log_likelihood(model, prompts, completions, mc), old_logp, advantages, clip_eps)
+    logp = stp_token_log_likelihood(model, prompts, completions, mc)
+    return token_grpo_loss(logp, old_logp, advantages, clip_eps)
 
 def dtrpo_loss(model, prompts, completions, commit_steps, steps, old_value, advantages, clip_eps=0.2,
                block_len=None):
@@ -103,7 +106,8 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
     Returns the loss."""
     check_commit_steps(prompts, completions, commit_steps)
     if tuple(advantages.shape) != (completions.shape[0],):
-        raise ValueError(f"advantages: expected ({completions.shape[0]},), got shape {tuple(advantages.shape)}")
+        raise ValueError(f"advantages: expected ({completions.shape[0]},), "
+                         f"got shape {tuple(advantages.shape)}")
     L, total = completions.shape[1], 0.0
     for s in range(int(commit_steps.max()) + 1):
         logp = masked_log_likelihood(model, prompts, completions, commit_steps >= s, per_token=True)
@@ -152,7 +156,8 @@ def elbo_draws(model, batch, args, generator):
 
 def bgpo_update(model, batch, state, A, args, inner=0):
     batch, state, A = informative(batch, state, A)
-    return bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args), args.mc_chunk)
+    return bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args),
+                         args.mc_chunk)
 
 def naive_update(model, batch, state, A, args, inner=0):
     batch, state, A = informative(batch, state, A)
@@ -183,7 +188,8 @@ def stp_draws(model, batch, args, generator):
     anchors = sudoku_anchors(batch.prompts) if args.anchors else torch.zeros(B, L, dtype=torch.bool)
     mc = draw_anchored_masks(anchors, mu * n, generator)
     mc = MCSamples(mc.mask.view(B, mu, n, L), mc.weight.view(B, mu, n)).to(batch.x.device)
-    return {"mc": mc, "old": torch.stack([stp_token_log_likelihood(model, batch.x, batch.y, mc[j]) for j in range(mu)], 1)}
+    old = [stp_token_log_likelihood(model, batch.x, batch.y, mc[j]) for j in range(mu)]
+    return {"mc": mc, "old": torch.stack(old, 1)}
 
 def stp_update(model, batch, state, A, args, inner):
     loss = stp_loss(model, batch.x, batch.y, state["mc"][inner], state["old"][:, inner], A, clip_of(args))
@@ -199,8 +205,8 @@ def dtrpo_draws(model, batch, args, generator):
     return {"steps": t, "old": torch.stack(old, 1)}
 
 def dtrpo_update(model, batch, state, A, args, inner):
-    loss = dtrpo_loss(model, batch.x, batch.y, batch.commit_steps, state["steps"][:, inner], state["old"][:, inner], A,
-                      clip_of(args), args.block_len)
+    loss = dtrpo_loss(model, batch.x, batch.y, batch.commit_steps, state["steps"][:, inner],
+                      state["old"][:, inner], A, clip_of(args), args.block_len)
     loss.backward()
     return loss.item()
 
@@ -238,4 +244,5 @@ def flat_grad(model, grads=None):
     """The accumulated gradient, or the given per-parameter gradients (torch.autograd.grad's), as one flat
     vector, with zeros for the parameters that backward did not reach."""
     grads = [p.grad for p in model.parameters()] if grads is None else grads
-    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(model.parameters(), grads)])
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                      for p, g in zip(model.parameters(), grads)])

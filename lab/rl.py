@@ -37,25 +37,41 @@ from tasks import get_task
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 
 def make_parser():
-    p = lab.make_parser("python -m lab.rl", "bgpo.py's SFT and RL with the field's objectives and the lab's diagnostics.")
+    p = lab.make_parser("python -m lab.rl",
+                        "bgpo.py's SFT and RL with the field's objectives and the lab's diagnostics.")
     a = p.add_argument
-    a("--objective", choices=list(OBJECTIVES), default="bgpo", help="BGPO, the naive objective, one of the field's methods (lab/objectives.py), or the trajectory control (default: %(default)s)")
-    a("--mc-samples", type=positive_int, default=None, help="MC samples n_t per completion, for bgpo, naive and stp (default: 16; STP's num_t: 3)")
-    a("--updates-per-batch", type=positive_int, default=None, help="optimizer steps per rollout batch (mu); 1 = on-policy (default: 1; 4 for diffu-grpo, stp, dtrpo)")
-    a("--clip-eps", type=positive_float, default=None, help="PPO clip, used when --updates-per-batch > 1 (default: 0.2; d1's 0.5 for diffu-grpo)")
-    a("--stp-tau", type=float, default=None, help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place (default: 0.75 with --objective stp)")
-    a("--no-anchors", action="store_true", help="STP without its spatial pruning (no anchors), for the ablation (default: %(default)s)")
-    a("--d1-advantages", action="store_true", help="diffu-grpo with d1's advantage, reward minus group mean (default: z-scored, Eq. 18)")
-    a("--remasking", choices=["low_confidence", "random"], default="low_confidence", help="which positions a rollout step commits: the most confident, or uniformly random ones (default: %(default)s)")
-    a("--rl-pool", type=bgpo.non_negative_int, default=0, help="practise on a fixed pool of N training problems; 0 = fresh problems every step (default: %(default)s)")
-    a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder, if matplotlib is installed (default: %(default)s)")
-    a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
+    a("--objective", choices=list(OBJECTIVES), default="bgpo",
+      help="BGPO, the naive objective, one of the field's methods (lab/objectives.py), "
+           "or the trajectory control")
+    a("--mc-samples", type=positive_int, default=None,
+      help="MC samples n_t per completion, for bgpo, naive and stp (default: 16; STP's num_t: 3)")
+    a("--updates-per-batch", type=positive_int, default=None,
+      help="optimizer steps per rollout batch (mu); 1 = on-policy (default: 1; 4 for diffu-grpo, stp, dtrpo)")
+    a("--clip-eps", type=positive_float, default=None,
+      help="PPO clip, used when --updates-per-batch > 1 (default: 0.2; d1's 0.5 for diffu-grpo)")
+    a("--stp-tau", type=float, default=None,
+      help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place "
+           "(default: 0.75 with --objective stp)")
+    a("--no-anchors", action="store_true",
+      help="STP without its spatial pruning (no anchors), for the ablation")
+    a("--d1-advantages", action="store_true",
+      help="diffu-grpo with d1's advantage, reward minus group mean (default: z-scored, Eq. 18)")
+    a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
+      help="which positions a rollout step commits: the most confident, or uniformly random ones")
+    a("--rl-pool", type=bgpo.non_negative_int, default=0,
+      help="practise on a fixed pool of N training problems; 0 = fresh problems every step")
+    a("--plot", action="store_true",
+      help="draw the run's curves as curves.png in its folder, if matplotlib is installed")
+    a("--run-name", default=None,
+      help="RL run folder in --out-dir "
+           "(default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
     return p
 
 def parse_args(argv=None):
     p = make_parser()
     args = p.parse_args(argv)
-    for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"), ("--no-anchors", args.no_anchors, "stp"),
+    for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"),
+                                   ("--no-anchors", args.no_anchors, "stp"),
                                    ("--d1-advantages", args.d1_advantages, "diffu-grpo")):
         if given and args.objective != objective:
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
@@ -71,10 +87,12 @@ def parse_args(argv=None):
         p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
-    estimator = f"_nt{args.mc_samples}" if args.objective in ("bgpo", "naive", "stp") else ""  # the others draw no masked copies
+    # the others draw no masked copies
+    estimator = f"_nt{args.mc_samples}" if args.objective in ("bgpo", "naive", "stp") else ""
     options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
         ("_d1adv" if args.d1_advantages else "") + ("_random" if args.remasking == "random" else "")
-    args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}_u{args.updates_per_batch}"
+    args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
+                                      f"_u{args.updates_per_batch}"
                                       f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}")
     return bgpo.check_args(p, args)
 
@@ -91,7 +109,8 @@ def split_by_sign(objective, stats):
             n = int(rows.sum())
             if n:
                 part_A = A[rows] * n / len(A)
-                loss += objective.backward(model, rows_of(batch, rows), rows_of(state, rows), part_A, args, inner)
+                loss += objective.backward(model, rows_of(batch, rows), rows_of(state, rows), part_A,
+                                           args, inner)
             grads.append(flat_grad(model))
         g_pos, g_neg = grads[0], grads[1] - grads[0]
         stats.update(grad_pos=g_pos.norm().item(), grad_neg=g_neg.norm().item(),
@@ -114,7 +133,8 @@ def run_rl(args, task, model, pool=None):
     for step in range(log.start, args.rl_steps + 1):
         t0 = time.time()
         if pool:
-            prompts = [pool[i] for i in torch.randperm(len(pool), generator=generator)[:args.prompts_per_step]]
+            order = torch.randperm(len(pool), generator=generator)
+            prompts = [pool[i] for i in order[:args.prompts_per_step]]
         else:
             prompts = task.sample(args.prompts_per_step, "train", generator)[0]
         batch = sample_rollouts(model, task, prompts, G, args, generator, lab_sampler(task, prompts, args))
@@ -134,9 +154,10 @@ def run_rl(args, task, model, pool=None):
                     raise log.diverged(step, loss)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
-        fields = {"entropy": prediction_entropy(model, batch.x, task.gen_len), "grad_pos": 0.0, "grad_neg": 0.0,
-                  "cos_pos_neg": 0.0, **stats, "rollout_passes": int(batch.commit_steps.max()) + 1}
-        stats.clear()                                        # (the zeros stand when every group tied: no update)
+        fields = {"entropy": prediction_entropy(model, batch.x, task.gen_len),
+                  "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,
+                  "rollout_passes": int(batch.commit_steps.max()) + 1}
+        stats.clear()  # (the zeros stand when every group tied: no update)
         text = f"entropy {fields['entropy']:.2f} | cos(g+, g-) {fields['cos_pos_neg']:+.2f}"
         log.step(step, batch, loss, memory.peak, time.time() - t0, fields, text)
     return log.history
@@ -160,7 +181,8 @@ class PoolLog(RLLog):
 def prediction_entropy(model, prompts, gen_len):
     """Mean entropy (nats) of the model's prediction at each completion position with the whole
     completion masked, the sampler's first step: how sure the policy is before it writes anything."""
-    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
+    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id,
+                        dtype=torch.long, device=prompts.device)
     logp = model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:].log_softmax(-1)
     return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
 

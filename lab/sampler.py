@@ -41,7 +41,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
 
     for b, block_steps in enumerate(steps_per_block(steps, num_blocks)):
         lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
-        free = (x[:, lo:hi] == mask_id).sum(1).tolist()                  # per row; all hi - lo without a prior
+        # per row; all hi - lo without a prior
+        free = (x[:, lo:hi] == mask_id).sum(1).tolist()
         counts = torch.tensor([tokens_per_step(f, block_steps) for f in free], device=x.device)  # (B, steps)
         for s in range(block_steps):
             placed = (x[:, P:] != mask_id).sum(1)

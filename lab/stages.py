@@ -1,7 +1,7 @@
 """
 One run's two stages in one figure: the SFT curve (validation and held-out greedy accuracy against
 training seconds), then, from the SFT model it kept, the RL run's held-out accuracy and, if it was
-run (bgpo.py --stage control), the control's: SFT continued for the same time.
+run (python -m lab.control), the control's: SFT continued for the same time.
 
     python -m lab.stages [the run's bgpo.py flags] [--png stages.png]
 """

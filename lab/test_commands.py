@@ -150,14 +150,17 @@ def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, cap
     rl_log = figures.read_log(run / "log.jsonl")
     curve = control.main(tiny_argv(tmp_path))
     assert figures.read_log(run / "control.jsonl") == curve
-    assert curve[0]["accuracy"] == rl_log[0]["accuracy"], "the control starts from the SFT model RL started from"
-    assert curve[-1]["seconds"] >= sum(r.get("seconds", 0) for r in rl_log) and curve[-1]["step"] > curve[0]["step"]
+    assert curve[0]["accuracy"] == rl_log[0]["accuracy"], (
+        "the control starts from the SFT model RL started from")
+    assert (curve[-1]["seconds"] >= sum(r.get("seconds", 0) for r in rl_log)
+            and curve[-1]["step"] > curve[0]["step"])
     with pytest.raises(SystemExit) as e:
         control.main(tiny_argv(tmp_path, "--run-name", "nothing-here"))
     err = capsys.readouterr().err
     assert e.value.code == 2 and "no RL log" in err and err.count("\n") == 1, err
 
-@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline, stages])
+@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
+                                     stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])

@@ -24,8 +24,8 @@ def test_random_remasking_samples_from_the_random_order_likelihood():
     probabilities over two positions sum to 1 and match the frequencies of 20,000 samples."""
     model, N = tiny_model(), 20000
     x, _ = random_batch(B=1, L=2)
-    y = sampler.generate(model, x.expand(N, -1), 2, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                         remasking="random")
+    y = sampler.generate(model, x.expand(N, -1), 2, temperature=1.0,
+                         generator=torch.Generator().manual_seed(0), remasking="random")
     tokens = [t for t in range(10) if t != 1]                                      # every id but MASK
     with torch.no_grad():
         exact = {(a, b): random_order_log_likelihood(model, x[0], torch.tensor([a, b]))[1].exp().item()

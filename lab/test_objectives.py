@@ -13,7 +13,8 @@ import torch
 import bgpo
 from bgpo import Rollouts, bgpo_backward
 from lab import objectives, rl
-from lab.estimators import dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood, trajectory_log_likelihood
+from lab.estimators import (dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood,
+                            trajectory_log_likelihood)
 from lab.radd import generate_radd
 from test_bgpo import grads, on_policy_setup, random_batch, report, tiny_model
 from lab.sampler import generate as lab_generate
@@ -33,7 +34,8 @@ def clipped_by_hand(ratios, A, eps):
     """-mean of min(r A, clip(r, 1 - eps, 1 + eps) A) over a list of (ratio, advantage) pairs."""
     return -np.mean([min(r * a, min(max(r, 1 - eps), 1 + eps) * a) for r, a in zip(ratios, A)])
 
-DELTA = torch.tensor([[0.5, -0.1, 0.05, -0.6], [0.3, -0.4, 0.0, 0.15]], dtype=torch.float64)  # log-ratios inside and outside the clip
+# log-ratios inside and outside the clip
+DELTA = torch.tensor([[0.5, -0.1, 0.05, -0.6], [0.3, -0.4, 0.0, 0.15]], dtype=torch.float64)
 
 ADV = torch.tensor([1.5, -0.7], dtype=torch.float64)
 
@@ -75,7 +77,8 @@ def test_dtrpo_dpo_loss_is_minus_log_sigmoid_of_beta_margin_and_has_no_gradient_
     win, lose = y, y.flip(1)
     c_win, c_lose = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[3, 2, 1, 0]])
     steps = (torch.tensor([[1]]), torch.tensor([[0]]))
-    # win at step 1: positions 1-3 masked, position 1 committed; lose at step 0: all masked, position 3 committed
+    # win at step 1: positions 1-3 masked, position 1 committed;
+    # lose at step 0: all masked, position 3 committed
     state_w, state_l = torch.tensor([[False, True, True, True]]), torch.ones(1, 4, dtype=torch.bool)
 
     def R(m):
@@ -86,17 +89,20 @@ def test_dtrpo_dpo_loss_is_minus_log_sigmoid_of_beta_margin_and_has_no_gradient_
     assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * margin))), rel=1e-12)
 
     model.zero_grad()
-    objectives.dtrpo_dpo_loss(model, reference, x, win, c_win, win, c_win, beta=0.5, steps=(steps[0], steps[0])).backward()
+    objectives.dtrpo_dpo_loss(model, reference, x, win, c_win, win, c_win, beta=0.5,
+                              steps=(steps[0], steps[0])).backward()
     assert grads(model).abs().max().item() == 0.0, "equal pairs: the two log-ratios cancel"
 
 def test_each_field_objective_has_the_on_policy_gradient_of_its_estimate_on_the_same_draws():
     """On-policy (inner update 0), every loss has the gradient of -mean_b A_b X_b / L, X the estimate."""
     model, (x, _) = tiny_model(), random_batch(B=4, P=3, L=5)
-    y, commit = generate(model, x, 5, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    y, commit = generate(model, x, 5, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                         return_steps=True)
     batch, A = Rollouts(["?"] * 4, x, y, commit, None, None), torch.tensor([1.0, -0.5, 0.3, -0.8])
-    estimate = {"diffu-grpo": lambda r: one_step_log_likelihood(model, x.masked_fill(r["prompt_mask"][:, 0], 1), y),
-                "stp": lambda r: stp_token_log_likelihood(model, x, y, r["mc"][0]).sum(1),
-                "dtrpo": lambda r: dtrpo_log_likelihood(model, x, y, commit, steps=r["steps"][:, 0])}
+    estimate = {
+        "diffu-grpo": lambda r: one_step_log_likelihood(model, x.masked_fill(r["prompt_mask"][:, 0], 1), y),
+        "stp": lambda r: stp_token_log_likelihood(model, x, y, r["mc"][0]).sum(1),
+        "dtrpo": lambda r: dtrpo_log_likelihood(model, x, y, commit, steps=r["steps"][:, 0])}
     for name, X in estimate.items():
         objective = objectives.OBJECTIVES[name]
         state = objective.prepare(model, batch, lab_args(), torch.Generator().manual_seed(1))
@@ -105,19 +111,22 @@ def test_each_field_objective_has_the_on_policy_gradient_of_its_estimate_on_the_
         g_loss = grads(model).clone()
         model.zero_grad()
         (-(A * X(state)).mean() / 5).backward()
-        assert torch.allclose(g_loss, grads(model), rtol=1e-10, atol=1e-13), f"{name}: {report(g_loss, grads(model))}"
+        assert torch.allclose(g_loss, grads(model), rtol=1e-10, atol=1e-13), (
+            f"{name}: {report(g_loss, grads(model))}")
 
 def test_diffu_grpo_old_and_current_policy_see_the_same_prompt_mask_and_inner_updates_different_ones():
     model, (x, y) = tiny_model(), random_batch(B=8, P=6, L=4)
     batch, args, seen = Rollouts(["?"] * 8, x, y, None, None, None), lab_args(updates_per_batch=3), []
     model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0][:, :6].clone()))
     state = objectives.diffu_grpo_draws(model, batch, args, torch.Generator().manual_seed(0))
-    old = seen[:]                                                          # the old policy, one pass per inner update
+    old = seen[:]  # the old policy, one pass per inner update
     for j in range(3):
         objectives.diffu_grpo_update(model, batch, state, torch.ones(8), args, j)
-        assert torch.equal(seen[-1], old[j]), f"inner update {j} sees the prompt mask its old values were computed on"
+        assert torch.equal(seen[-1], old[j]), (
+            f"inner update {j} sees the prompt mask its old values were computed on")
         assert (seen[-1] == 1).any(), "some prompt tokens are masked (p = 0.15 of 48)"
-    assert not torch.equal(old[0], old[1]) and not torch.equal(old[1], old[2]), "each inner update has its own mask"
+    assert not torch.equal(old[0], old[1]) and not torch.equal(old[1], old[2]), (
+        "each inner update has its own mask")
 
 def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_in_fewer_passes():
     model, (x, _) = tiny_model(max_len=3 + 8), random_batch(B=16, P=3, L=8)
@@ -128,10 +137,12 @@ def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_i
     model.register_forward_hook(lambda *_: calls.append(1))
     y, commit = lab_generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior,
                          early_stop=0.5)
-    assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), "anchors: in place, never committed"
+    assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), (
+        "anchors: in place, never committed")
     assert not (y == 1).any() and (commit[~anchors] >= 0).all(), "the early stop filled every masked position"
     passes = int(commit.max()) + 1
-    assert len(calls) == passes < 8, f"{len(calls)} forward passes, one per step that committed something, and the fill"
+    assert len(calls) == passes < 8, (
+        f"{len(calls)} forward passes, one per step that committed something, and the fill")
     placed_before_fill = anchors.sum(1) + ((commit >= 0) & (commit < passes - 1)).sum(1)
     assert (placed_before_fill >= 4).all(), "a row stops once int(0.5 * 8) tokens are in place"
 
@@ -143,7 +154,8 @@ def test_trajectory_backward_is_the_gradient_of_the_trajectory_objective():
     """One backward per sampler step adds up to autograd through the whole trajectory sum."""
     model = tiny_model()
     x, _ = random_batch(B=4)
-    y, commit = generate(model, x, 5, steps=3, temperature=1.0, generator=torch.Generator().manual_seed(0), return_steps=True)
+    y, commit = generate(model, x, 5, steps=3, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                         return_steps=True)
     A = torch.tensor([1.0, -0.5, 0.0, -0.5])
     loss = -(A * trajectory_log_likelihood(model, x, y, commit)).mean() / 5
     loss.backward()
@@ -175,22 +187,25 @@ def test_the_update_is_built_from_its_positive_and_negative_parts_and_adds_up_to
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert stats["grad_pos"] == pytest.approx(g_pos.norm().item(), rel=1e-9)
     assert stats["grad_neg"] == pytest.approx(g_neg.norm().item(), rel=1e-9)
-    assert stats["cos_pos_neg"] == pytest.approx((g_pos @ g_neg / (g_pos.norm() * g_neg.norm())).item(), rel=1e-9)
-    assert loss == pytest.approx(-A.mean().item(), abs=1e-12)                # on-policy the bound's value is -mean A
-    step = g_full * min(1.0, 1.0 / g_full.norm().item())                      # clip_grad_norm_(1.0), then SGD lr 1
+    cosine = (g_pos @ g_neg / (g_pos.norm() * g_neg.norm())).item()
+    assert stats["cos_pos_neg"] == pytest.approx(cosine, rel=1e-9)
+    assert loss == pytest.approx(-A.mean().item(), abs=1e-12)  # on-policy the bound's value is -mean A
+    step = g_full * min(1.0, 1.0 / g_full.norm().item())  # clip_grad_norm_(1.0), then SGD lr 1
     assert torch.allclose(before - after, step, atol=1e-9), report(before - after, step)
 
 def test_prediction_entropy_of_a_uniform_model_is_log_of_the_tokens_it_can_write():
     model = tiny_model()
     torch.nn.init.zeros_(model.head.weight)                                   # every logit 0; MASK's is -inf
     x, _ = random_batch(B=3)
-    assert rl.prediction_entropy(model, x, 5) == pytest.approx(math.log(model.config.vocab_size - 1), abs=1e-12)
+    assert rl.prediction_entropy(model, x, 5) == pytest.approx(math.log(model.config.vocab_size - 1),
+                                                               abs=1e-12)
 
 def test_radd_cached_sampler_gives_the_same_samples_as_uncached():
     model = tiny_model()
     x, _ = random_batch(B=64, L=5)
     for temperature in (0.0, 1.0):
-        (y1, calls1), (y2, calls2) = (generate_radd(model, x, 5, 20, temperature, torch.Generator().manual_seed(3), cache)
+        (y1, calls1), (y2, calls2) = (generate_radd(model, x, 5, 20, temperature,
+                                                    torch.Generator().manual_seed(3), cache)
                                       for cache in (True, False))
         assert torch.equal(y1, y2) and (y1 != 1).all(), "same draws, same samples, no MASK left"
         assert (calls1 <= calls2).all() and calls1.sum() < calls2.sum()
@@ -204,7 +219,8 @@ def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
     calls = generate_radd(model, x, L, n_steps, 1.0, torch.Generator().manual_seed(n_steps))[1].double()
     expected = n_steps * (1 - (1 - 1 / n_steps) ** L)
     se = calls.std() / math.sqrt(len(calls))
-    assert abs(calls.mean() - expected) < 4 * se, f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}"
+    assert abs(calls.mean() - expected) < 4 * se, (
+        f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}")
 
 def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_updates(tmp_path, monkeypatch):
     """lab.rl's loop is bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no lab
@@ -213,14 +229,17 @@ def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_upda
     from test_bgpo import read_log, tiny_argv
     # a tiny model's groups all tie: fixed advantages of both signs make every step update
     monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
-    same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2", "--rl-steps", "3"]
+    same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2",
+            "--rl-steps", "3"]
     bgpo.main(tiny_argv(tmp_path, *same, "--run-name", "tutorial"))
     rl.main(tiny_argv(tmp_path, *same, "--run-name", "lab", "--stage", "rl"))
     logs = [read_log(tmp_path / name / "log.jsonl") for name in ("tutorial", "lab")]
     for key in ("reward", "solved", "valid", "mixed_groups", "accuracy"):
         assert [r.get(key) for r in logs[0]] == [r.get(key) for r in logs[1]], key
-    weights = [torch.load(tmp_path / name / "ckpt.pt", weights_only=True)["model"] for name in ("tutorial", "lab")]
+    weights = [torch.load(tmp_path / name / "ckpt.pt", weights_only=True)["model"]
+               for name in ("tutorial", "lab")]
     sft = torch.load(bgpo.sft_path(bgpo.parse_args(tiny_argv(tmp_path, *same))), weights_only=True)["model"]
-    assert any(not torch.equal(value, sft[name]) for name, value in weights[0].items()), "RL moved the weights"
+    assert any(not torch.equal(value, sft[name]) for name, value in weights[0].items()), (
+        "RL moved the weights")
     for name, value in weights[0].items():
         assert torch.allclose(value, weights[1][name], rtol=0, atol=1e-12), name
