@@ -42,9 +42,9 @@ def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
 
 def random_batch(B=6, P=3, L=5, vocab_size=10, seed=0):
     """Prompts and completions of ordinary tokens (ids 2.., never MASK=1)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(2, vocab_size, (B, P), generator=g)
-    completions = torch.randint(2, vocab_size, (B, L), generator=g)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, vocab_size, (B, P), generator=generator)
+    completions = torch.randint(2, vocab_size, (B, L), generator=generator)
     return prompts, completions
 
 def grads(model):
@@ -300,24 +300,25 @@ def test_on_policy_old_terms_can_come_from_the_updates_own_forward(loss_of):
     """With one update per batch the old policy is the current one: old_terms=None (the update's own
     terms, detached) gives the gradient of a separate no-grad pass over the same masks."""
     model, x, y, mc, old_terms, A = on_policy_setup()
-    g = {}
+    grad = {}
     for name, old in (("separate pass", old_terms), ("own forward", None)):
         model.zero_grad()
         if loss_of == "bgpo":
             bgpo_backward(model, x, y, mc, old, A)
         else:
             naive_loss(model, x, y, mc, old, A).backward()
-        g[name] = grads(model)
-    assert g["own forward"].abs().max() > 1e-3
-    assert torch.allclose(g["separate pass"], g["own forward"], rtol=1e-10, atol=1e-12), report(*g.values())
+        grad[name] = grads(model)
+    assert grad["own forward"].abs().max() > 1e-3
+    assert torch.allclose(grad["separate pass"], grad["own forward"], rtol=1e-10, atol=1e-12), \
+        report(*grad.values())
 
 def test_clipping_is_inactive_on_policy():
     model, x, y, mc, old_terms, A = on_policy_setup()
     bgpo_backward(model, x, y, mc, old_terms, A)
-    g = grads(model)
+    grad = grads(model)
     model.zero_grad()
     bgpo_backward(model, x, y, mc, old_terms, A, clip_eps=0.2, mc_chunk=2)
-    assert torch.allclose(g, grads(model), rtol=1e-10, atol=1e-14), report(g, grads(model))
+    assert torch.allclose(grad, grads(model), rtol=1e-10, atol=1e-14), report(grad, grads(model))
 
 def test_bgpo_is_a_lower_bound_off_policy_and_gradients_differ():
     model, x, y, mc, old_terms, A = on_policy_setup()
@@ -358,11 +359,11 @@ def test_no_nan_or_inf_for_extreme_log_ratios():
     A = torch.tensor([1.0, -1.0, 0.5])
     for clip_eps in (None, 0.2):
         value = bgpo_bound(d, A, 4, clip_eps).sum()   # 1 + d for A >= 0: never log(1 + d), never exp(700)
-        (g,) = torch.autograd.grad(value, d)
-        assert torch.isfinite(value) and torch.isfinite(g).all(), (value, g)
+        (grad,) = torch.autograd.grad(value, d)
+        assert torch.isfinite(value) and torch.isfinite(grad).all(), (value, grad)
         value = naive_objective(d[:2], A[:2], clip_eps).sum()
-        (g,) = torch.autograd.grad(value, d)
-        assert torch.isfinite(value) and torch.isfinite(g).all(), (value, g)
+        (grad,) = torch.autograd.grad(value, d)
+        assert torch.isfinite(value) and torch.isfinite(grad).all(), (value, grad)
     # hand values: A=1 row: (1 + d_j) / 4; A=-1 row: -e^{d_j} / 4
     expected = torch.stack([(1 + d[0]) / 4, -d[1].exp() / 4])
     assert torch.allclose(bgpo_bound(d[:2], A[:2], 4), expected)

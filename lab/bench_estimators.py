@@ -170,18 +170,20 @@ def gradient_table(model, x, y, commit, A, block_len, group, anchors=None, promp
     # 2^L mask sets per sequence
     if anchors is None:
         golden = _exact_elbo_run(model, x, y, A)
-        objectives["BGPO = naive (ELBO)"] = (lambda n, g: _bgpo_run(model, x, y, A, n, g), golden)
+        objectives["BGPO = naive (ELBO)"] = (lambda n, generator: _bgpo_run(model, x, y, A, n, generator),
+                                             golden)
         if x.shape[1] <= MAX_PROMPT_MASKED:
             objectives[f"diffu-GRPO (p = {prompt_mask_prob})"] = (
-                lambda n, g: _surrogate(A, L, lambda: average_of_draws(
-                    one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob, generator=g)),
+                lambda n, generator: _surrogate(A, L, lambda: average_of_draws(
+                    one_step_log_likelihood, n, model, x, y, prompt_mask_prob=prompt_mask_prob,
+                    generator=generator)),
                 own_one_step)
     else:
         golden = None
-        objectives["STP (anchored ELBO)"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
-            stp_log_likelihood, n, model, x, y, anchors, generator=g)), own_stp)
-    objectives["dTRPO (1 step per block)"] = (lambda n, g: _surrogate(A, L, lambda: average_of_draws(
-        dtrpo_log_likelihood, n, model, x, y, commit, block_len=block_len, generator=g)),
+        objectives["STP (anchored ELBO)"] = (lambda n, generator: _surrogate(A, L, lambda: average_of_draws(
+            stp_log_likelihood, n, model, x, y, anchors, generator=generator)), own_stp)
+    objectives["dTRPO (1 step per block)"] = (lambda n, generator: _surrogate(A, L, lambda: average_of_draws(
+        dtrpo_log_likelihood, n, model, x, y, commit, block_len=block_len, generator=generator)),
         _surrogate(A, L, lambda: trajectory_log_likelihood(model, x, y, commit)))
 
     g_elbo = _gradient(model, golden)[0] if golden else None

@@ -25,9 +25,10 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     trains the model on them against the frozen SFT model. Each epoch prints the exact trajectory
     margin on the pairs (every step, trajectory_log_likelihood), the quantity the one-step-per-block
     estimate stands for, and the held-out accuracy."""
-    g = torch.Generator().manual_seed(args.seed + 4)
+    generator = torch.Generator().manual_seed(args.seed + 4)
     eval_prompts = held_out(task, args)
-    rollouts = sample_rollouts(model, task, task.sample(n_prompts, "train", g)[0], args.group_size, args, g)
+    prompts = task.sample(n_prompts, "train", generator)[0]
+    rollouts = sample_rollouts(model, task, prompts, args.group_size, args, generator)
     x, y, commit, solved = rollouts.x, rollouts.y, rollouts.commit_steps, rollouts.rewards == 1.0
     win, lose = [], []
     # pairs within a prompt's group
@@ -51,8 +52,8 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     with torch.no_grad():  # what one step per block sees of the margin log p(w) - log p(l), against all steps
         exact = trajectory_log_likelihood(model, x[win], y[win], commit[win]) - \
             trajectory_log_likelihood(model, x[lose], y[lose], commit[lose])
-        one = dtrpo_log_likelihood(model, x[win], y[win], commit[win], args.block_len, g) - \
-            dtrpo_log_likelihood(model, x[lose], y[lose], commit[lose], args.block_len, g)
+        one = dtrpo_log_likelihood(model, x[win], y[win], commit[win], args.block_len, generator) - \
+            dtrpo_log_likelihood(model, x[lose], y[lose], commit[lose], args.block_len, generator)
     result = {"pairs": len(win),
               "accuracy": [evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]],
               "margin": exact.mean().item(), "margin_sd": exact.std().item(),
@@ -65,11 +66,11 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
           f" one step per block misses it by {result['estimate_sd']:.2f} nats (sd)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for epoch in range(epochs):
-        order = torch.randperm(len(win), generator=g)
+        order = torch.randperm(len(win), generator=generator)
         for i in range(0, len(win), batch):
             w, l = win[order[i:i + batch]], lose[order[i:i + batch]]
             loss = dtrpo_dpo_loss(model, reference, x[w], y[w], commit[w], y[l], commit[l], beta,
-                                  args.block_len, generator=g)
+                                  args.block_len, generator=generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

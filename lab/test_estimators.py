@@ -93,11 +93,12 @@ def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_ma
     anti_mean, anti_var = estimators.antithetic_moments(a, L)
     for name, mean in (("iid", iid_mean), ("stratified", strat_mean), ("antithetic", anti_mean)):
         assert abs(mean - elbo) < 1e-10, f"{name}: exact mean {mean:.12f} vs ELBO {elbo:.12f}"
-    N, g = 5000, torch.Generator().manual_seed(n_t)
+    N, generator = 5000, torch.Generator().manual_seed(n_t)
     with torch.no_grad():
-        strat = elbo_terms(model, x.expand(N, -1), y.expand(N, -1), draw_mc_samples(N, L, n_t, g)).mean(1)
+        mc = draw_mc_samples(N, L, n_t, generator)
+        strat = elbo_terms(model, x.expand(N, -1), y.expand(N, -1), mc).mean(1)
         anti = estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1),
-                                           y.expand(N, -1), generator=g)
+                                           y.expand(N, -1), generator=generator)
     assert_moments(strat, strat_mean, strat_var, f"stratified, n_t={n_t}")
     assert_moments(anti, anti_mean, anti_var / n_t, f"antithetic, {n_t} pairs")
 
@@ -131,22 +132,22 @@ def test_coupled_one_step_trajectory_and_stp_estimators_have_the_exact_moments_e
     anchors = torch.tensor([True, False, False, True, False, False])
     masks, logp, a, full = estimators.exact_table(model, x[0], y[0])
     many = lambda t: t[:1].expand(N, -1)
-    g = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         # one forward per step
         traj = estimators.trajectory_log_likelihood(model, x[:1], y[:1], commit[:1]).item()
         cases = {
             "DiffuCoder": (estimators.diffucoder_moments(a, full[-1].sum(), L),
-                           estimators.diffucoder_coupled(model, many(x), many(y), g)),
+                           estimators.diffucoder_coupled(model, many(x), many(y), generator)),
             "one-step, p=0.15": (
                 [m[0] for m in estimators.one_step_prompt_mask_moments(model, x[0], y[:1], 0.15)],
-                estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, g)),
+                estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, generator)),
             "STP": (estimators.count_form_moments(estimators.size_stats(a, L, ~anchors)),
-                    estimators.stp_log_likelihood(model, many(x), many(y), anchors.expand(N, -1), g))}
+                    estimators.stp_log_likelihood(model, many(x), many(y), anchors.expand(N, -1), generator))}
         for block_len in (3, 6):
             cases[f"dTRPO, blocks of {block_len}"] = (
                 estimators.trajectory_moments(full, commit[0], block_len),
-                estimators.dtrpo_log_likelihood(model, many(x), many(y), many(commit), block_len, g))
+                estimators.dtrpo_log_likelihood(model, many(x), many(y), many(commit), block_len, generator))
     for name, ((mean, var), draws) in cases.items():
         assert_moments(draws, mean, var, name)
     for block_len in (3, 6):
@@ -193,15 +194,15 @@ def sudoku_toy():
     sequence are the cost), and four held-out puzzles."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
-    task, g = get_task("sudoku"), torch.Generator().manual_seed(0)
+    task, generator = get_task("sudoku"), torch.Generator().manual_seed(0)
     x, y = bgpo.encode(task, *task.sample(256, "train", 0))
     torch.manual_seed(0)
     model = TinyDLLM(ModelConfig(vocab_size=task.tokenizer.vocab_size, n_layer=1, n_head=1, n_embd=16,
                                  max_len=35))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(150):
-        rows = torch.randint(0, 256, (64,), generator=g)
-        loss = sft_loss(model, x[rows], y[rows], generator=g)
+        rows = torch.randint(0, 256, (64,), generator=generator)
+        loss = sft_loss(model, x[rows], y[rows], generator=generator)
         optimizer.zero_grad(); loss.backward(); optimizer.step()
     prompts, answers = task.sample(4, "test", 5)
     torch.set_default_dtype(old)

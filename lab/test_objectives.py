@@ -130,13 +130,13 @@ def test_diffu_grpo_old_and_current_policy_see_the_same_prompt_mask_and_inner_up
 
 def test_stp_rollout_never_changes_an_anchor_and_its_early_stop_leaves_no_mask_in_fewer_passes():
     model, (x, _) = tiny_model(max_len=3 + 8), random_batch(B=16, P=3, L=8)
-    g = torch.Generator().manual_seed(0)
-    anchors = torch.rand(16, 8, generator=g) < 0.3
-    prior = torch.randint(2, 10, (16, 8), generator=g).masked_fill(~anchors, 1)
+    generator = torch.Generator().manual_seed(0)
+    anchors = torch.rand(16, 8, generator=generator) < 0.3
+    prior = torch.randint(2, 10, (16, 8), generator=generator).masked_fill(~anchors, 1)
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
-    y, commit = lab_generate(model, x, 8, temperature=1.0, generator=g, return_steps=True, prior=prior,
-                         early_stop=0.5)
+    y, commit = lab_generate(model, x, 8, temperature=1.0, generator=generator, return_steps=True,
+                             prior=prior, early_stop=0.5)
     assert torch.equal(y[anchors], prior[anchors]) and (commit[anchors] == -1).all(), (
         "anchors: in place, never committed")
     assert not (y == 1).any() and (commit[~anchors] >= 0).all(), "the early stop filled every masked position"
