@@ -76,7 +76,7 @@ def draw_mc_samples(batch_size, gen_len, n_t, generator=None, scheme="stratified
 
 def elbo_terms(model, prompts, completions, mc):
     """l_j = (1/t_j) sum_{i masked in y_t} log p_theta(y^i | y_t, x), in nats: (B, M).
-    All B*M masked copies go through the model as one batch. B_hat = mean_j l_j (Eq. 5)."""
+    All B*M masked copies go through the model as one batch; mean_j l_j estimates the ELBO (Eq. 5)."""
     check_shapes(prompts, completions, mc)
     (B, M), L = mc.weight.shape, completions.shape[1]
     x, y = prompts.repeat_interleave(M, 0), completions.repeat_interleave(M, 0)    # (B*M, P), (B*M, L)
@@ -112,8 +112,9 @@ def ppo_clip(ratio, A, clip_eps):
     return torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
 
 def naive_objective(d, A, clip_eps=None):
-    """R_hat = exp(mean_j d_j) * A per sequence (Eq. 7): (B, M) log-ratios -> (B,).
-    The exp couples all M samples: no term can be backpropagated on its own."""
+    """R_hat = exp(mean_j d_j) * A per sequence (Eq. 7): (B, M) log-ratios -> (B,). exp(mean_j d_j)
+    estimates the importance ratio (pi_theta / pi_old)^(1/L) by the ELBO's difference; the exp couples
+    the M samples, so no sample's term is a function of that sample alone."""
     return ppo_clip(d.mean(1).exp(), A, clip_eps)
 
 def bgpo_bound(d, A, n_t, clip_eps=None):
@@ -446,7 +447,7 @@ def run_rl(args, task, model):
         with ActivationMemory(model) as memory:
             for _ in range(args.updates_per_batch):
                 optimizer.zero_grad(set_to_none=True)
-                if not A.any():  # every group tied: no signal, and no step (Adam's momentum alone)
+                if not A.any():  # every group tied: no signal; an Adam step would move the weights anyway
                     loss = 0.0
                     continue
                 loss = rl_backward(model, batch, mc, old_terms, A, args)
@@ -786,7 +787,7 @@ def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
 
 def exact_elbo(model, prompt, completion):
     """The ELBO by enumerating the 2^L - 1 mask sets:
-    B = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x).
+    ELBO = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x).
     Both MC schemes have this expectation. Differentiable."""
     return elbo_from_table(*log_probs_under_every_mask(model, prompt, completion))
 

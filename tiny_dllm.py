@@ -100,7 +100,7 @@ class TinyDLLM(nn.Module):
 
     def forward(self, tokens):  # (N, T) long -> (N, T, V) logits
         if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens: expected a (B, T) long tensor, got {tuple(tokens.shape)} "
+            raise ValueError(f"tokens: expected an (N, T) long tensor, got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
         N, T = tokens.shape
         if T > self.config.max_len:
