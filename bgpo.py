@@ -34,7 +34,8 @@ Simplifications versus the paper:
 5. Negative advantages are scaled by --neg-weight (0.5 by default; the paper's is 1).
 
 Shapes: B batch (= prompts x G), G group size, M Monte Carlo samples (n_t, or a chunk of them),
-L completion length, P prompt length, T = P + L, V vocabulary.
+L completion length, P prompt length, T = P + L, V vocabulary, N rows of any other table (encoded
+strings, the 2^L - 1 mask sets of section 7).
 """
 import argparse
 import json

@@ -17,6 +17,8 @@ Simplifications versus the paper:
 2. The model writes the answer directly, with no chain of thought or answer tags.
 3. Rewards are computed from the text up to the first end-of-answer token; the reward functions
    read untrusted model output, so they never eval, cap length and magnitude, and never raise.
+
+Shapes: N strings encoded at once, each padded to a fixed length (a task's prompt_len or gen_len).
 """
 import random
 import zlib
