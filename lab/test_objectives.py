@@ -243,3 +243,13 @@ def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_upda
         "RL moved the weights")
     for name, value in weights[0].items():
         assert torch.allclose(value, weights[1][name], rtol=0, atol=1e-12), name
+
+def test_the_lab_sampler_without_its_options_is_tiny_dllm_generate_draw_for_draw():
+    """lab.sampler.generate with no prior, no early stop and low-confidence remasking gives generate's
+    completions and commit steps, from the same generator state, with blocks and uneven steps per block."""
+    model, (x, _) = tiny_model(max_len=3 + 7), random_batch(B=6, P=3, L=7)
+    for temperature, steps, block_len in ((0.0, None, None), (1.0, 7, None), (1.3, 5, 3), (1.0, 3, 3)):
+        runs = [sampler(model, x, 7, steps=steps, block_len=block_len, temperature=temperature,
+                        generator=torch.Generator().manual_seed(0), return_steps=True)
+                for sampler in (generate, lab_generate)]
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), (temperature, steps, block_len)
