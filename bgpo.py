@@ -405,20 +405,27 @@ def sample_rollouts(model, task, prompts, group_size, args, generator, sampler=g
     rewards = torch.tensor([task.reward(p, t) for p, t in zip(prompts, texts)])
     return Rollouts(prompts, x, y, commit_steps, texts, rewards)
 
-def rl_backward(model, batch, mc, old_terms, A, args):
-    """--objective's loss on one rollout batch, backpropagated into .grad; returns its value."""
+def rl_backward(model, batch, mc, old_terms, A, args, rows=None):
+    """--objective's loss on the rollout batch's rows (a (B,) bool mask: one mini-batch; None: all of
+    them), backpropagated into .grad; returns its value."""
+    rows = torch.ones_like(A, dtype=torch.bool) if rows is None else rows
     # A row with A = 0 (its group's rewards all tie) adds nothing but forward passes: drop it, and scale
-    # the others' A by their share of the batch, so the mean over the batch stays the same.
-    keep = A != 0
-    A = A[keep] * (int(keep.sum()) / len(A))
+    # the others' A by their share of the rows, so the mean over the rows stays the same.
+    keep = rows & (A != 0)
+    A = A[keep] * (int(keep.sum()) / int(rows.sum()))
     x, y, mc = batch.x[keep], batch.y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
     old_terms = None if old_terms is None else old_terms[keep]
-    clip_eps = args.clip_eps if args.updates_per_batch > 1 else None   # on-policy the clip is inactive
+    clip_eps = args.clip_eps if off_policy(args) else None   # on-policy the clip is inactive
     if args.objective == "bgpo":
         return bgpo_backward(model, x, y, mc, old_terms, A, clip_eps, args.mc_chunk)
     loss = naive_loss(model, x, y, mc, old_terms, A, clip_eps)
     loss.backward()
     return loss.item()
+
+def off_policy(args):
+    """Whether some update of a rollout batch comes after another: then the policy that sampled it is
+    no longer the current one, and the update needs its terms (old_terms) and the PPO clip."""
+    return args.updates_per_batch > 1 or args.minibatches > 1
 
 def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers).
@@ -438,24 +445,29 @@ def run_rl(args, task, model):
         # 4. n_t masked copies of each completion, drawn once: the old and new policy see the same masks
         mc = draw_mc_samples(B, L, args.mc_samples, generator).to(args.device)
         old_terms = None                     # on-policy: the update's own terms, detached (log_ratio)
-        if args.updates_per_batch > 1:
+        if off_policy(args):
             with torch.no_grad():
                 old_terms = elbo_terms(model, batch.x, batch.y, mc)                 # (B, M)
-        # 5. the update: BGPO's bound, backpropagated one MC sample at a time (rl_backward -> bgpo_backward)
+        # 5. the update: BGPO's bound, backpropagated one MC sample at a time (rl_backward -> bgpo_backward);
+        # with --minibatches K, one update per K-th of the prompts (whole groups), the first on-policy
         warmup = min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * warmup
+        minibatch = torch.arange(B, device=A.device) * args.minibatches // B                # (B,) 0..K-1
+        losses = []
         with ActivationMemory(model) as memory:
             for _ in range(args.updates_per_batch):
-                optimizer.zero_grad(set_to_none=True)
-                if not A.any():  # every group tied: no signal; an Adam step would move the weights anyway
-                    loss = 0.0
-                    continue
-                loss = rl_backward(model, batch, mc, old_terms, A, args)
-                if not math.isfinite(loss):  # the update is skipped; the checkpoint on disk is untouched
-                    raise log.diverged(step, loss)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
+                for k in range(args.minibatches):
+                    rows = minibatch == k
+                    optimizer.zero_grad(set_to_none=True)
+                    if not A[rows].any():  # every group tied: no signal; an Adam step would move the weights
+                        continue
+                    losses.append(rl_backward(model, batch, mc, old_terms, A, args, rows))
+                    if not math.isfinite(losses[-1]):  # the update is skipped; the checkpoint is untouched
+                        raise log.diverged(step, losses[-1])
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+        loss = statistics.fmean(losses) if losses else 0.0
         log.step(step, batch, loss, memory.peak, time.time() - t0)  # evaluates and saves when due
     return log.history
 
@@ -663,7 +675,9 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked 
     a("--mc-samples", type=positive_int, default=8, help="MC samples n_t per completion")
     a("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO")
     a("--updates-per-batch", type=positive_int, default=1, help="passes over a rollout batch; 1 = on-policy")
-    a("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when --updates-per-batch > 1")
+    a("--minibatches", type=positive_int, default=1,
+      help="updates per pass, each on a K-th of the prompts; 2 = the paper's off-policy scheme")
+    a("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when off-policy")
     a("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each")
     a("--rl-lr", type=positive_float, default=1e-4, help="RL learning rate")
     a("--rl-warmup", type=non_negative_int, default=0, help="RL steps of linear learning-rate warmup")
@@ -676,7 +690,7 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked 
     a("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps")
     a("--eval-size", type=positive_int, default=500, help="held-out problems")
     a("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps")
-    a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uK_seedS)")
+    a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uU[_kK]_seedS)")
     a("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint")
     return p
 
@@ -698,8 +712,9 @@ def check_args(p, args):
     blocks = math.ceil(L / (args.block_len or L))
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     if not args.run_name:
+        minibatches = f"_k{args.minibatches}" if args.minibatches > 1 else ""
         args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}_u{args.updates_per_batch}"
-                         f"_seed{args.seed}")
+                         f"{minibatches}_seed{args.seed}")
     run_dir = os.path.join(args.out_dir, args.run_name)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
@@ -709,6 +724,9 @@ def check_args(p, args):
         p.error(f"--mc-chunk is an option of --objective bgpo, not {args.objective}")
     if args.mc_chunk > args.mc_samples:
         p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
+    if args.prompts_per_step % args.minibatches:
+        p.error(f"--minibatches {args.minibatches} must divide --prompts-per-step {args.prompts_per_step} "
+                f"(a mini-batch is whole groups)")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 <= args.neg_weight <= 1:

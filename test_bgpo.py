@@ -6,6 +6,7 @@ are in lab/test_*.py; one command runs both.
     python -m pytest -q                 # all of them
     python -m pytest -q -k equivalence  # one claim
 """
+import copy
 import itertools
 import json
 import math
@@ -506,6 +507,31 @@ def test_dropping_tied_groups_leaves_the_gradient_unchanged(tmp_path):
     bgpo.rl_backward(model, Rollouts(["?"] * 6, x, y, None, None, None), mc, None, A, tiny_args(tmp_path))
     assert torch.allclose(grads(model), whole, rtol=1e-10, atol=1e-14), report(grads(model), whole)
 
+def test_with_two_minibatches_the_first_update_is_on_policy_and_the_second_is_not(tmp_path, monkeypatch):
+    """--minibatches 2: the old policy's terms are computed once per rollout batch, on the shared MC
+    draws. The first update, on the first half of the prompts, is the on-policy update of that half;
+    it moves the policy, so the second update, on the other half, sees d_j != 0."""
+    real, seen = bgpo.rl_backward, []
+
+    def check(model, batch, mc, old_terms, A, args, rows):
+        on_policy = copy.deepcopy(model)
+        real(on_policy, batch, mc, None, A, bgpo.argparse.Namespace(**{**vars(args), "minibatches": 1}), rows)
+        with torch.no_grad():
+            d = (elbo_terms(model, batch.x[rows], batch.y[rows], bgpo.MCSamples(mc.mask[rows], mc.weight[rows]))
+                 - old_terms[rows]) / batch.y.shape[1]
+        loss = real(model, batch, mc, old_terms, A, args, rows)
+        g, g_on = grads(model), grads(on_policy)
+        seen.append((rows.tolist(), ((g - g_on).norm() / g_on.norm()).item(), d.abs().max().item()))
+        return loss
+
+    monkeypatch.setattr(bgpo, "rl_backward", check)
+    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "2", "--rl-steps", "1", "--minibatches", "2"))
+    (rows_1, rel_1, d_1), (rows_2, rel_2, d_2) = seen                    # B = 2 prompts x 4: 4 rows each
+    assert rows_1 == [True] * 4 + [False] * 4 and rows_2 == [False] * 4 + [True] * 4
+    assert d_1 < 1e-12 and rel_1 < 1e-10, (d_1, rel_1)
+    assert d_2 > 1e-4, d_2
+
 def test_demonstrations_are_a_fixed_set_of_training_problems(tmp_path):
     task = get_task("countdown")
     args = tiny_args(tmp_path, "--task", "countdown", "--demos", "40")
@@ -586,6 +612,8 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
     (["--stage", "control"], "invalid choice"),
     (["--device", "cuda:x"], "not available here"),
+    (["--minibatches", "0"], "positive integer"),
+    (["--minibatches", "3"], "--minibatches 3 must divide --prompts-per-step 2"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:

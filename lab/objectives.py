@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from bgpo import (MCSamples, Rollouts, bgpo_backward, draw_mc_samples, elbo_terms, naive_loss, ppo_clip,
-                  reward_groups)
+from bgpo import (MCSamples, Rollouts, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms,
+                  log_ratio, naive_loss, naive_objective, off_policy, ppo_clip, reward_groups)
 from lab import sampler
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors)
@@ -117,6 +117,59 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
     return total
 
 # -----------------------------------------------------------------------------
+# What BGPO's bound buys: the exact naive gradient in one sample's memory, and each lemma alone
+
+def naive_two_pass_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
+    """The exact gradient of naive_loss, accumulated one MC sample at a time: bgpo_backward's contract
+    (calls backward itself, accumulates into .grad, returns the loss value), in the memory of one sample.
+    The exp couples the samples only through a number per sequence: with m = mean_j d_j,
+        grad R_hat = dR_hat/dm * (1/n_t) sum_j grad d_j,   dR_hat/dm = A e^m, or 0 where PPO clips it,
+    so pass 1, without gradients, computes each sequence's c = dR_hat/dm / n_t, and pass 2 backpropagates
+    -mean_b c_b d_bj one sample j at a time. On-policy m = 0 and c = A / n_t is known without pass 1:
+    the update is then BGPO's, sample for sample. Off-policy pass 1 costs one forward over the n_t copies."""
+    check_shapes(prompts, completions, mc, old_terms, advantages)
+    n_t, L = mc.weight.shape[1], completions.shape[1]
+    if old_terms is None:
+        loss, c = -advantages.mean(), advantages / n_t
+    else:
+        with torch.no_grad():  # pass 1, one sample at a time too, so that no pass holds n_t copies
+            terms = torch.cat([elbo_terms(model, prompts, completions, mc[j:j + 1]) for j in range(n_t)], 1)
+            d = log_ratio(terms, old_terms, L)                                        # (B, M)
+            A, ratio = advantages.to(d), d.mean(1).exp()                              # (B,)
+            loss = -naive_objective(d, A, clip_eps).mean()
+            # where the min of ppo_clip takes the clipped branch, R_hat is flat in m: c = 0
+            clipped = ppo_clip(ratio, A, clip_eps) < ratio * A
+            c = torch.where(clipped, 0.0, A * ratio) / n_t
+    for j in range(n_t):                                                              # pass 2
+        terms = elbo_terms(model, prompts, completions, mc[j:j + 1])                  # (B, 1)
+        d = log_ratio(terms, None if old_terms is None else old_terms[:, j:j + 1], L)
+        (-(c.to(d) * d[:, 0]).mean()).backward()
+    return float(loss)
+
+def lemma1_bound(d, A, n_t, clip_eps=None):
+    """Lemma 1 alone: the tangent line (1 + d_j) A / n_t for every sign of A. Summed over the n_t
+    samples, (1 + m) A: below R_hat = e^m A where A >= 0 (e^m >= 1 + m), above it where A < 0."""
+    return ppo_clip(1 + d, A[:, None], clip_eps) / n_t
+
+def lemma2_bound(d, A, n_t, clip_eps=None):
+    """Lemma 2 alone: e^{d_j} A / n_t for every sign of A. Summed, mean_j(e^{d_j}) A: below R_hat where
+    A <= 0 (Jensen: mean_j e^{d_j} >= e^m), above it where A > 0."""
+    return ppo_clip(d.exp(), A[:, None], clip_eps) / n_t
+
+def bound_backward(model, prompts, completions, mc, old_terms, advantages, bound=bgpo_bound, clip_eps=None):
+    """bgpo_backward (mc_chunk 1) with another sum of per-sample terms: bound(d, A, n_t, clip_eps) -> (B, M),
+    lemma1_bound or lemma2_bound. With bgpo_bound it is bgpo_backward."""
+    check_shapes(prompts, completions, mc, old_terms, advantages)
+    n_t, L, total = mc.weight.shape[1], completions.shape[1], 0.0
+    for j in range(n_t):
+        terms = elbo_terms(model, prompts, completions, mc[j:j + 1])                  # (B, 1)
+        d = log_ratio(terms, None if old_terms is None else old_terms[:, j:j + 1], L)
+        loss = -bound(d, advantages.to(d), n_t, clip_eps).sum(1).mean()
+        loss.backward()
+        total += loss.item()
+    return total
+
+# -----------------------------------------------------------------------------
 # The objectives: what each fixes once per rollout batch, and its inner update j
 
 @dataclass
@@ -143,13 +196,13 @@ def informative(batch, state, A):
     return rows_of(batch, rows), rows_of(state, rows), A[rows] * (int(rows.sum()) / len(A))
 
 def clip_of(args):
-    return args.clip_eps if args.updates_per_batch > 1 else None   # on-policy the clip is inactive anyway
+    return args.clip_eps if off_policy(args) else None   # on-policy the clip is inactive anyway
 
 def elbo_draws(model, batch, args, generator):
     """BGPO's and the naive objective's: n_t masked copies per completion, and the rollout policy's terms
     on the same masks when several updates use one batch (bgpo.run_rl's step 4)."""
     mc = draw_mc_samples(len(batch.prompts), batch.y.shape[1], args.mc_samples, generator).to(args.device)
-    if args.updates_per_batch == 1:
+    if not off_policy(args):
         return {"mc": mc, "old_terms": None}
     with torch.no_grad():
         return {"mc": mc, "old_terms": elbo_terms(model, batch.x, batch.y, mc)}       # (B, M)
@@ -164,6 +217,17 @@ def naive_update(model, batch, state, A, args, inner=0):
     loss = naive_loss(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args))
     loss.backward()
     return loss.item()
+
+def naive_two_pass_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
+    return naive_two_pass_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args))
+
+def bound_update(bound):
+    """The update of a bound of R_hat built from per-sample terms (bgpo_bound or a lemma alone)."""
+    def update(model, batch, state, A, args, inner=0):
+        batch, state, A = informative(batch, state, A)
+        return bound_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, bound, clip_of(args))
+    return update
 
 @torch.no_grad()
 def diffu_grpo_draws(model, batch, args, generator):
@@ -217,6 +281,9 @@ def trajectory_update(model, batch, state, A, args, inner):
     return trajectory_backward(model, batch.x, batch.y, batch.commit_steps, A)
 
 OBJECTIVES = {"bgpo": Objective(elbo_draws, bgpo_update), "naive": Objective(elbo_draws, naive_update),
+              "naive-two-pass": Objective(elbo_draws, naive_two_pass_update),
+              "lemma1-only": Objective(elbo_draws, bound_update(lemma1_bound)),
+              "lemma2-only": Objective(elbo_draws, bound_update(lemma2_bound)),
               "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
               "stp": Objective(stp_draws, stp_update), "dtrpo": Objective(dtrpo_draws, dtrpo_update),
               "trajectory": Objective(no_draws, trajectory_update)}

@@ -35,6 +35,7 @@ from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler, ro
 from tasks import get_task
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
+ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO
 
 def make_parser():
     p = lab.make_parser("python -m lab.rl",
@@ -64,7 +65,7 @@ def make_parser():
       help="draw the run's curves as curves.png in its folder, if matplotlib is installed")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uK[_poolN]_seedS)")
+           "(default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uU[_kK][_poolN]_seedS)")
     return p
 
 def parse_args(argv=None):
@@ -88,11 +89,12 @@ def parse_args(argv=None):
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     # the others draw no masked copies
-    estimator = f"_nt{args.mc_samples}" if args.objective in ("bgpo", "naive", "stp") else ""
+    estimator = f"_nt{args.mc_samples}" if args.objective in ELBO + ("stp",) else ""
     options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
         ("_d1adv" if args.d1_advantages else "") + ("_random" if args.remasking == "random" else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
                                       f"_u{args.updates_per_batch}"
+                                      f"{f'_k{args.minibatches}' if args.minibatches > 1 else ''}"
                                       f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}")
     return bgpo.check_args(p, args)
 
@@ -143,17 +145,22 @@ def run_rl(args, task, model, pool=None):
         state = objective.prepare(model, batch, args, generator)
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * (min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0)
+        minibatch = torch.arange(len(A), device=A.device) * args.minibatches // len(A)     # (B,) 0..K-1
+        losses = []
         with ActivationMemory(model) as memory:
             for inner in range(args.updates_per_batch):
-                optimizer.zero_grad(set_to_none=True)
-                if not A.any():
-                    loss = 0.0
-                    continue
-                loss = objective.backward(model, batch, state, A, args, inner)
-                if not math.isfinite(loss):
-                    raise log.diverged(step, loss)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
+                for k in range(args.minibatches):
+                    rows = minibatch == k
+                    optimizer.zero_grad(set_to_none=True)
+                    if not A[rows].any():
+                        continue
+                    losses.append(objective.backward(model, rows_of(batch, rows), rows_of(state, rows),
+                                                     A[rows], args, inner))
+                    if not math.isfinite(losses[-1]):
+                        raise log.diverged(step, losses[-1])
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+        loss = sum(losses) / len(losses) if losses else 0.0
         fields = {"entropy": prediction_entropy(model, batch.x, task.gen_len),
                   "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,
                   "rollout_passes": int(batch.commit_steps.max()) + 1}

@@ -22,7 +22,8 @@ from tiny_dllm import generate
 
 def lab_args(**settings):
     """The settings the objectives read, as lab.rl would give them."""
-    return argparse.Namespace(**{"updates_per_batch": 2, "mc_samples": 3, "block_len": None, "clip_eps": 0.2,
+    return argparse.Namespace(**{"updates_per_batch": 2, "minibatches": 1, "mc_samples": 3, "block_len": None,
+                                 "clip_eps": 0.2,
                                  "mc_chunk": 1, "anchors": False, **settings})
 
 def logp_given(model, prompts, inputs, targets):
@@ -222,15 +223,17 @@ def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
     assert abs(calls.mean() - expected) < 4 * se, (
         f"mean calls {calls.mean():.4f}, expected {expected:.4f}, SE {se:.4f}")
 
-def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_updates(tmp_path, monkeypatch):
+@pytest.mark.parametrize("minibatches", ["1", "2"])
+def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_updates(tmp_path, monkeypatch,
+                                                                                    minibatches):
     """lab.rl's loop is bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no lab
     option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
-    (in one) by float rounding only."""
+    (in one) by float rounding only, on-policy and with the paper's two mini-batches."""
     from test_bgpo import read_log, tiny_argv
     # a tiny model's groups all tie: fixed advantages of both signs make every step update
     monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
     same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2",
-            "--rl-steps", "3"]
+            "--rl-steps", "3", "--minibatches", minibatches]
     bgpo.main(tiny_argv(tmp_path, *same, "--run-name", "tutorial"))
     rl.main(tiny_argv(tmp_path, *same, "--run-name", "lab", "--stage", "rl"))
     logs = [read_log(tmp_path / name / "log.jsonl") for name in ("tutorial", "lab")]
@@ -253,3 +256,86 @@ def test_the_lab_sampler_without_its_options_is_tiny_dllm_generate_draw_for_draw
                         generator=torch.Generator().manual_seed(0), return_steps=True)
                 for sampler in (generate, lab_generate)]
         assert all(torch.equal(a, b) for a, b in zip(*runs)), (temperature, steps, block_len)
+
+# -----------------------------------------------------------------------------
+# What BGPO's bound buys: the exact naive gradient in one sample's memory, and each lemma alone
+
+def off_policy_setup(M=6, scale=0.05):
+    """on_policy_setup with the parameters moved away from the old policy's: d_j != 0."""
+    model, x, y, mc, old_terms, A = on_policy_setup(M)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return model, x, y, mc, old_terms, A
+
+@pytest.mark.parametrize("clip_eps", [None, 0.2, 0.02])
+def test_naive_two_pass_gradient_equals_the_one_graph_naive_gradient_off_policy(clip_eps):
+    """At clip 0.02 some sequences' ratios are clipped (their gradient is 0), others are not."""
+    model, x, y, mc, old_terms, A = off_policy_setup()
+    loss = bgpo.naive_loss(model, x, y, mc, old_terms, A, clip_eps)
+    loss.backward()
+    one_graph = grads(model)
+    model.zero_grad()
+    two_pass_loss = objectives.naive_two_pass_backward(model, x, y, mc, old_terms, A, clip_eps)
+    with torch.no_grad():
+        ratio = ((bgpo.elbo_terms(model, x, y, mc) - old_terms) / y.shape[1]).mean(1).exp()
+    clipped = (A != 0) & (bgpo.ppo_clip(ratio, A, clip_eps) < ratio * A)
+    if clip_eps == 0.02:
+        assert 0 < int(clipped.sum()) < int((A != 0).sum()), (ratio, A)   # both kinds of sequence present
+    rel = ((grads(model) - one_graph).norm() / one_graph.norm()).item()
+    assert rel < 1e-12 and two_pass_loss == pytest.approx(loss.item(), rel=1e-12), (rel, ratio)
+
+def test_naive_two_pass_equals_bgpo_on_policy():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    loss = bgpo_backward(model, x, y, mc, None, A)
+    bound = grads(model)
+    model.zero_grad()
+    assert objectives.naive_two_pass_backward(model, x, y, mc, None, A) == pytest.approx(loss, rel=1e-12)
+    assert ((grads(model) - bound).norm() / bound.norm()).item() < 1e-12
+
+def test_naive_two_pass_activation_memory_is_flat_in_n_t_like_bgpo():
+    peak = {}
+    for M in (1, 16):
+        model, x, y, mc, old_terms, A = off_policy_setup(M)
+        with bgpo.ActivationMemory(model) as two_pass:
+            objectives.naive_two_pass_backward(model, x, y, mc, old_terms, A, 0.2)
+        with bgpo.ActivationMemory(model) as bound:
+            bgpo_backward(model, x, y, mc, old_terms, A, 0.2)
+        with bgpo.ActivationMemory(model) as one_graph:
+            bgpo.naive_loss(model, x, y, mc, old_terms, A, 0.2).backward()
+        peak[M] = two_pass.peak, bound.peak, one_graph.peak
+    print(f"peak activation bytes (two-pass, BGPO, one graph): n_t=1 {peak[1]}, n_t=16 {peak[16]}")
+    assert peak[16][0] <= 1.1 * peak[1][0] and peak[16][0] <= 1.1 * peak[16][1], "one sample's, as BGPO's"
+    assert peak[16][2] >= 8 * peak[1][2], "the one-graph naive objective keeps all n_t graphs"
+
+def test_bound_backward_with_bgpo_bound_is_bgpo_backward_off_policy():
+    model, x, y, mc, old_terms, A = off_policy_setup()
+    loss = bgpo_backward(model, x, y, mc, old_terms, A, 0.2)
+    expected = grads(model)
+    model.zero_grad()
+    assert objectives.bound_backward(model, x, y, mc, old_terms, A, bgpo.bgpo_bound, 0.2) == \
+        pytest.approx(loss, rel=1e-12)
+    assert ((grads(model) - expected).norm() / expected.norm()).item() < 1e-12
+
+@pytest.mark.parametrize("clip_eps", [None, 0.2])
+def test_which_bounds_lie_below_the_naive_objective_for_which_sign_of_A(clip_eps):
+    """On random log-ratios and advantages, summed over the n_t samples:
+    BGPO's bound <= R_hat for every A; Lemma 1 alone (1 + d_j) <= R_hat where A >= 0; Lemma 2 alone
+    (e^{d_j}) <= R_hat where A <= 0. Each holds with PPO's clip too (per-sample clip, Jensen on a
+    concave monotone function). Without the clip each lemma alone is an upper bound for the other sign,
+    and on these draws it is strictly above: neither is a lower bound of R_hat by itself."""
+    generator = torch.Generator().manual_seed(0)
+    n_t = 8
+    d = 0.4 * torch.randn(4000, n_t, generator=generator)
+    A = torch.randn(4000, generator=generator)
+    naive = bgpo.naive_objective(d, A, clip_eps)
+    tol = 1e-12
+    lemma1 = objectives.lemma1_bound(d, A, n_t, clip_eps).sum(1)
+    lemma2 = objectives.lemma2_bound(d, A, n_t, clip_eps).sum(1)
+    both = bgpo.bgpo_bound(d, A, n_t, clip_eps).sum(1)
+    assert (both <= naive + tol).all()
+    assert (lemma1[A >= 0] <= naive[A >= 0] + tol).all() and (lemma2[A <= 0] <= naive[A <= 0] + tol).all()
+    assert torch.equal(both, torch.where(A >= 0, lemma1, lemma2)), "BGPO picks Lemma 1 or 2 by A's sign"
+    if clip_eps is None:
+        assert (lemma1[A < 0] >= naive[A < 0] - tol).all() and (lemma2[A > 0] >= naive[A > 0] - tol).all()
+        assert (lemma1[A < 0] > naive[A < 0] + 1e-3).any() and (lemma2[A > 0] > naive[A > 0] + 1e-3).any()
