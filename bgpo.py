@@ -690,7 +690,8 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked 
     a("--eval-every", type=positive_int, default=25, help="held-out evaluation every N RL steps")
     a("--eval-size", type=positive_int, default=500, help="held-out problems")
     a("--save-every", type=positive_int, default=25, help="checkpoint every N RL steps")
-    a("--run-name", default=None, help="RL run folder in --out-dir (default: task_objective_ntM_uU[_kK]_seedS)")
+    a("--run-name", default=None,
+      help="RL run folder in --out-dir (default: task_objective_ntM_uU[_kK]_seedS)")
     a("--resume", action="store_true", help="continue the run in --run-name from its last checkpoint")
     return p
 

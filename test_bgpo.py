@@ -516,9 +516,9 @@ def test_with_two_minibatches_the_first_update_is_on_policy_and_the_second_is_no
     def check(model, batch, mc, old_terms, A, args, rows):
         on_policy = copy.deepcopy(model)
         real(on_policy, batch, mc, None, A, bgpo.argparse.Namespace(**{**vars(args), "minibatches": 1}), rows)
+        half = bgpo.MCSamples(mc.mask[rows], mc.weight[rows])
         with torch.no_grad():
-            d = (elbo_terms(model, batch.x[rows], batch.y[rows], bgpo.MCSamples(mc.mask[rows], mc.weight[rows]))
-                 - old_terms[rows]) / batch.y.shape[1]
+            d = (elbo_terms(model, batch.x[rows], batch.y[rows], half) - old_terms[rows]) / batch.y.shape[1]
         loss = real(model, batch, mc, old_terms, A, args, rows)
         g, g_on = grads(model), grads(on_policy)
         seen.append((rows.tolist(), ((g - g_on).norm() / g_on.norm()).item(), d.abs().max().item()))

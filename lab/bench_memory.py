@@ -1,7 +1,8 @@
 """
 The activation memory and time of one update of every RL objective, on the same batch: which grow
 with their sample count. bgpo.py --bench-memory has BGPO against the naive objective (the paper's
-Fig. 1); this adds the field's objectives of lab/objectives.py and, with --plot, draws Fig. 1.
+Fig. 1); this adds the exact naive gradient in two passes (naive_two_pass_backward) beside them, on-
+and off-policy, then the field's objectives of lab/objectives.py and, with --plot, draws Fig. 1.
 
     python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag]
 """
@@ -31,6 +32,34 @@ def memory_figure(rows):
                        {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log",
                         "lines": ratio}]}
 
+def two_pass_table(args, task):
+    """The naive gradient in two passes against BGPO and the one-graph naive objective, at n_t 1 to 64.
+    On-policy the two-pass update skips its first pass; off-policy (the update of a second mini-batch,
+    with the rollout policy's terms computed beforehand, as bgpo.run_rl does) it runs it."""
+    torch.manual_seed(args.seed)
+    model = make_model(task, args).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    (batch, A, generator), rows = bench_batch(task, args), []
+    names = {"naive": "naive", "bgpo": "BGPO", "naive-two-pass": "two-pass"}
+    for policy, minibatches in (("on-policy", 1), ("off-policy", 2)):
+        print(f"\n{policy}: one update on B = {len(A)} sequences (activation MB | median seconds)")
+        print(f"{'n_t':>4} | " + " ".join(f"{name + ' MB':>11}" for name in names.values()) + " | "
+              + " ".join(f"{name + ' s':>10}" for name in names.values()) + f" | {'two-pass/BGPO s':>15}")
+        for n_t in (1, 2, 4, 8, 16, 32, 64):
+            settings = argparse.Namespace(**{**vars(args), "updates_per_batch": 1, "minibatches": minibatches,
+                                             "mc_samples": n_t, "mc_chunk": 1})
+            state = OBJECTIVES["bgpo"].prepare(model, batch, settings, generator)  # the draws of all three
+            row = {"policy": policy, "n_t": n_t}
+            for objective in names:
+                backward = lambda: OBJECTIVES[objective].backward(model, batch, state, A, settings, 0)
+                row[f"{objective}_mb"], row[f"{objective}_s"], _ = measure_update(model, optimizer, backward,
+                                                                                   args)
+            rows.append(row)
+            print(f"{n_t:>4} | " + " ".join(f"{row[o + '_mb']:>11.1f}" for o in names) + " | "
+                  + " ".join(f"{row[o + '_s']:>10.3f}" for o in names)
+                  + f" | {row['naive-two-pass_s'] / row['bgpo_s']:>15.2f}")
+    return rows
+
 def every_objective_table(args, task):
     """One update of every objective on bgpo.bench_batch's batch, at its sample counts."""
     torch.manual_seed(args.seed)
@@ -46,11 +75,12 @@ def every_objective_table(args, task):
         return measure_update(model, optimizer, backward, args)
 
     print("\nEvery objective, one update on the same batch: which grow with their sample count")
-    print(f"{'objective':>10} | {'samples':>22} | {'act MB':>8} | {'s':>7}"
+    print(f"{'objective':>14} | {'samples':>22} | {'act MB':>8} | {'s':>7}"
           + (f" | {'CUDA MB':>8}" if cuda else ""))
     rows = []
     for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)),
                                     ("naive", "n_t masked copies", (1, 16)),
+                                    ("naive-two-pass", "n_t masked copies", (1, 16)),
                                     ("stp", "num_t masked copies", (1, 3, 16)),
                                     ("diffu-grpo", "1 prompt mask", (1,)),
                                     ("dtrpo", "1 step per block", (1,)),
@@ -59,7 +89,7 @@ def every_objective_table(args, task):
             mb, s, cuda_mb = measure(objective, n)
             label = what if len(counts) == 1 else f"{n} {what}"
             rows.append({"objective": objective, "samples": n, "act_mb": mb, "s": s})
-            print(f"{objective:>10} | {label:>22} | {mb:>8.1f} | {s:>7.3f}"
+            print(f"{objective:>14} | {label:>22} | {mb:>8.1f} | {s:>7.3f}"
                   + (f" | {cuda_mb:>8.1f}" if cuda else ""))
     return rows
 
@@ -80,6 +110,7 @@ def main(argv=None):
         rows = bgpo.bench_memory(args, task)
         os.makedirs(args.out_dir, exist_ok=True)
         draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
+    two_pass_table(args, task)
     return every_objective_table(args, task)
 
 if __name__ == "__main__":

@@ -226,7 +226,8 @@ def bound_update(bound):
     """The update of a bound of R_hat built from per-sample terms (bgpo_bound or a lemma alone)."""
     def update(model, batch, state, A, args, inner=0):
         batch, state, A = informative(batch, state, A)
-        return bound_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, bound, clip_of(args))
+        x, y, mc, old_terms = batch.x, batch.y, state["mc"], state["old_terms"]
+        return bound_backward(model, x, y, mc, old_terms, A, bound, clip_of(args))
     return update
 
 @torch.no_grad()

@@ -7,9 +7,11 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import bgpo
-from lab import bench_estimators, bench_memory, compare, control, dtrpo_offline, figures, rl, stages
+from lab import (bench_estimators, bench_memory, compare, control, dtrpo_offline, figures, offpolicy, rl,
+                 stages)
 from tasks import get_task
 from test_bgpo import tiny_argv
 
@@ -31,6 +33,33 @@ def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra)
     passes = [r["rollout_passes"] for r in records[1:]]
     assert passes == ([3, 3] if objective == "stp" else [4, 4]), (
         "STP: 2 of 4 tokens, then one pass fills the rest")
+
+def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_runs(shared_out,
+                                                                                     monkeypatch):
+    """python -m lab.rl --minibatches 2 with each objective of the lemma ablation: the two-pass naive run
+    ends at the one-graph naive run's weights (float64), each lemma alone somewhere else."""
+    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    weights = {}
+    for objective in ("naive", "naive-two-pass", "lemma1-only", "lemma2-only", "bgpo"):
+        rl.main(tiny_argv(shared_out, "--objective", objective, "--sft-steps", "30", "--minibatches", "2",
+                          "--rl-lr", "1e-2"))
+        path = shared_out / f"arithmetic_{objective}_nt4_u1_k2_seed0" / "ckpt.pt"
+        state = torch.load(path, weights_only=True)["model"]
+        weights[objective] = torch.cat([w.flatten() for w in state.values()])
+    gap = {name: (w - weights["naive"]).abs().max().item() for name, w in weights.items()}
+    assert gap["naive-two-pass"] < 1e-10, gap
+    assert min(gap["lemma1-only"], gap["lemma2-only"], gap["bgpo"]) > 1e-6, gap
+
+def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_the_naive_one(tmp_path,
+                                                                                             monkeypatch):
+    monkeypatch.setattr(offpolicy, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    rl.main(tiny_argv(tmp_path, "--sft-steps", "30", "--stage", "sft"))             # the lab's defaults
+    results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", "--from-sft", "--batches", "2",
+                                       "--rl-lr", "1e-2"))
+    assert len(results) == 2
+    for r in results:
+        assert r["max |d|"] > 1e-4 and r["naive (two passes)"][0] < 1e-10, r
+        assert r["BGPO"][0] > 1e-6 and -1 <= r["BGPO"][1] <= 1, r
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
@@ -160,7 +189,7 @@ def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, cap
     assert e.value.code == 2 and "no RL log" in err and err.count("\n") == 1, err
 
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
-                                     stages])
+                                     offpolicy, stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])
@@ -179,6 +208,8 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     (["--rl-pool", "-1"], "integer >= 0"),
     (["--objective", "ppo"], "invalid choice"),
     (["--remasking", "left"], "invalid choice"),
+    (["--minibatches", "3"], "--minibatches 3 must divide --prompts-per-step 2"),
+    (["--objective", "naive-two-pass", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
 ])
 def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
