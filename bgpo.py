@@ -10,8 +10,10 @@ n_t copies through the exp; computed as one autograd graph it keeps all n_t grap
 it by a lower bound that is a sum over copies, so backward runs one copy at a time and memory is that of
 one copy. On-policy (this file's default, and the paper's main setting) every d_j is 0, the bound equals
 the naive objective in value and gradient, and BGPO is the naive gradient accumulated one MC sample at a
-time. Off-policy the two differ: BGPO optimises the bound, while a no-grad pass over the copies would give
-the exact naive gradient in the same memory, at the cost of that extra forward pass.
+time. Off-policy (--minibatches 2, the paper's variant: the second mini-batch's update comes after the
+first's) the two differ: BGPO optimises the bound, while a no-grad pass over the copies gives the exact
+naive gradient in the same memory, at the cost of that extra forward pass (lab/objectives.py:
+naive_two_pass_backward).
 
 The file, in reading order:
 1. The ELBO and its Monte Carlo estimate (Eq. 4-5).
@@ -135,8 +137,8 @@ def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=
     """-mean_b R_hat_b, as one graph: one forward over all B*M masked copies, and until the caller calls
     backward autograd keeps the activations of all M samples, so memory grows with M. (That is a property
     of this one-graph computation, not of the gradient: grad R_hat = A exp(mean_j d_j) (1/n_t) sum_j
-    grad d_j, so a no-grad pass giving each sequence's A exp(mean_j d_j) / n_t would let the same gradient
-    be accumulated one sample at a time.)"""
+    grad d_j, so a no-grad pass giving each sequence's A exp(mean_j d_j) / n_t lets the same gradient be
+    accumulated one sample at a time: the lab's naive_two_pass_backward.)"""
     check_shapes(prompts, completions, mc, old_terms, advantages)
     terms = elbo_terms(model, prompts, completions, mc)              # (B, M)
     d = log_ratio(terms, old_terms, completions.shape[1])
