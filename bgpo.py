@@ -126,12 +126,13 @@ def bgpo_bound(d, A, n_t, clip_eps=None):
       A >= 0: e^u >= 1 + u (Lemma 1, the tangent at 0), so exp(mean d) A >= mean(1 + d_j) A.
       A <  0: e^{mean u} <= mean e^{u_j} (Lemma 2, Jensen), and A < 0 flips it:
               exp(mean d) A >= mean(e^{d_j}) A.
-    Both equal R_hat when every d_j = 0, i.e. on-policy. 1 + d is used as is, never as
+    Both hold with PPO's clip applied per sample too (the clipped objective is concave and monotone
+    in the ratio). Both equal R_hat when every d_j = 0, i.e. on-policy. 1 + d is used as is, never as
     exp(log(1 + d)) (DARE's form), which is NaN for d <= -1."""
     A = A[:, None]
     positive = A >= 0
-    ratio = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())  # no exp where unused: no inf*0
-    return ppo_clip(ratio, A, clip_eps) / n_t
+    per_sample = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())  # no exp where unused
+    return ppo_clip(per_sample, A, clip_eps) / n_t
 
 def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
     """-mean_b R_hat_b, as one graph: one forward over all B*M masked copies, and until the caller calls
@@ -451,7 +452,8 @@ def run_rl(args, task, model):
             with torch.no_grad():
                 old_terms = elbo_terms(model, batch.x, batch.y, mc)                 # (B, M)
         # 5. the update: BGPO's bound, backpropagated one MC sample at a time (rl_backward -> bgpo_backward);
-        # with --minibatches K, one update per K-th of the prompts (whole groups), the first on-policy
+        # with --minibatches K, one update per K-th of the prompts (whole groups), the first on-policy (unless
+        # its groups all tie and it is skipped)
         warmup = min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * warmup

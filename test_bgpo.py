@@ -6,6 +6,7 @@ are in lab/test_*.py; one command runs both.
     python -m pytest -q                 # all of them
     python -m pytest -q -k equivalence  # one claim
 """
+import argparse
 import copy
 import itertools
 import json
@@ -510,12 +511,13 @@ def test_dropping_tied_groups_leaves_the_gradient_unchanged(tmp_path):
 def test_with_two_minibatches_the_first_update_is_on_policy_and_the_second_is_not(tmp_path, monkeypatch):
     """--minibatches 2: the old policy's terms are computed once per rollout batch, on the shared MC
     draws. The first update, on the first half of the prompts, is the on-policy update of that half;
-    it moves the policy, so the second update, on the other half, sees d_j != 0."""
+    it moves the policy, so the second update, on the other half, sees d_j != 0, and its gradient differs
+    from the on-policy one (through the rows with A < 0: where A >= 0 the tangent line has no weight)."""
     real, seen = bgpo.rl_backward, []
 
     def check(model, batch, mc, old_terms, A, args, rows):
         on_policy = copy.deepcopy(model)
-        real(on_policy, batch, mc, None, A, bgpo.argparse.Namespace(**{**vars(args), "minibatches": 1}), rows)
+        real(on_policy, batch, mc, None, A, argparse.Namespace(**{**vars(args), "minibatches": 1}), rows)
         half = bgpo.MCSamples(mc.mask[rows], mc.weight[rows])
         with torch.no_grad():
             d = (elbo_terms(model, batch.x[rows], batch.y[rows], half) - old_terms[rows]) / batch.y.shape[1]
@@ -525,12 +527,13 @@ def test_with_two_minibatches_the_first_update_is_on_policy_and_the_second_is_no
         return loss
 
     monkeypatch.setattr(bgpo, "rl_backward", check)
-    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    signs = lambda rewards, G: (-1.0) ** torch.arange(len(rewards)) * torch.linspace(0.5, 1, len(rewards))
+    monkeypatch.setattr(bgpo, "group_advantages", signs)                  # both signs in each mini-batch
     bgpo.main(tiny_argv(tmp_path, "--sft-steps", "2", "--rl-steps", "1", "--minibatches", "2"))
     (rows_1, rel_1, d_1), (rows_2, rel_2, d_2) = seen                    # B = 2 prompts x 4: 4 rows each
     assert rows_1 == [True] * 4 + [False] * 4 and rows_2 == [False] * 4 + [True] * 4
     assert d_1 < 1e-12 and rel_1 < 1e-10, (d_1, rel_1)
-    assert d_2 > 1e-4, d_2
+    assert d_2 > 1e-4 and rel_2 > 1e-6, (d_2, rel_2)
 
 def test_demonstrations_are_a_fixed_set_of_training_problems(tmp_path):
     task = get_task("countdown")

@@ -1,7 +1,8 @@
 """
 The field's RL objectives for dLLMs, as Objective values that the lab's RL loop (lab/rl.py) runs:
-BGPO and the naive objective (bgpo.py's functions), d1's diffu-GRPO, STP, dTRPO, and the control,
-REINFORCE on the sampler's own trajectory. Run them with python -m lab.rl --objective NAME.
+BGPO and the naive objective (bgpo.py's functions), the naive objective's exact gradient in two passes
+and each of BGPO's lemmas alone (what the bound buys, off-policy), d1's diffu-GRPO, STP, dTRPO, and the
+control, REINFORCE on the sampler's own trajectory. Run them with python -m lab.rl --objective NAME.
 
 Each method fixes its randomness once per rollout batch (the Objective's prepare), one draw per
 inner update (a prompt mask, n masked copies, one step per block), and computes the rollout
@@ -137,7 +138,8 @@ def naive_two_pass_backward(model, prompts, completions, mc, old_terms, advantag
             d = log_ratio(terms, old_terms, L)                                        # (B, M)
             A, ratio = advantages.to(d), d.mean(1).exp()                              # (B,)
             loss = -naive_objective(d, A, clip_eps).mean()
-            # where the min of ppo_clip takes the clipped branch, R_hat is flat in m: c = 0
+            # where the min of ppo_clip takes the clipped branch, R_hat is flat in m: c = 0. A tie (the ratio
+            # inside the clip range, or on its edge) keeps the full gradient, as autograd's min and clamp do.
             clipped = ppo_clip(ratio, A, clip_eps) < ratio * A
             c = torch.where(clipped, 0.0, A * ratio) / n_t
     for j in range(n_t):                                                              # pass 2
@@ -148,12 +150,14 @@ def naive_two_pass_backward(model, prompts, completions, mc, old_terms, advantag
 
 def lemma1_bound(d, A, n_t, clip_eps=None):
     """Lemma 1 alone: the tangent line (1 + d_j) A / n_t for every sign of A. Summed over the n_t
-    samples, (1 + m) A: below R_hat = e^m A where A >= 0 (e^m >= 1 + m), above it where A < 0."""
+    samples, (1 + m) A: below R_hat = e^m A where A >= 0 (e^m >= 1 + m), above it where A < 0. With
+    PPO's clip (per sample) it stays below where A >= 0; where A < 0 it can then lie on either side."""
     return ppo_clip(1 + d, A[:, None], clip_eps) / n_t
 
 def lemma2_bound(d, A, n_t, clip_eps=None):
     """Lemma 2 alone: e^{d_j} A / n_t for every sign of A. Summed, mean_j(e^{d_j}) A: below R_hat where
-    A <= 0 (Jensen: mean_j e^{d_j} >= e^m), above it where A > 0."""
+    A <= 0 (Jensen: mean_j e^{d_j} >= e^m), above it where A > 0. With PPO's clip (per sample) it stays
+    below where A <= 0; where A > 0 it can then lie on either side."""
     return ppo_clip(d.exp(), A[:, None], clip_eps) / n_t
 
 def bound_backward(model, prompts, completions, mc, old_terms, advantages, bound=bgpo_bound, clip_eps=None):

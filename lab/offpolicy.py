@@ -54,26 +54,25 @@ def measure(args, task, model, optimizer_state, generator):
     with torch.no_grad():
         old_terms = elbo_terms(model, batch.x, batch.y, mc)                          # (B, M)
     first = torch.arange(B, device=A.device) < B // 2
-    if A[first].any():
-        optimizer.zero_grad(set_to_none=True)
-        rl_backward(model, batch, mc, old_terms, A, args, first)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
     keep = ~first & (A != 0)                                  # the second mini-batch's informative rows
-    if not keep.any():
+    if not A[first].any() or not keep.any():                  # a mini-batch of tied groups: no update
         return None
+    optimizer.zero_grad(set_to_none=True)
+    rl_backward(model, batch, mc, old_terms, A, args, first)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
     x, y, old_terms = batch.x[keep], batch.y[keep], old_terms[keep]
     mc = MCSamples(mc.mask[keep], mc.weight[keep])
-    A = A[keep] * (int(keep.sum()) / int((~first).sum()))
+    A = A[keep] * (int(keep.sum()) / int((~first).sum()))                            # as rl_backward
     with torch.no_grad():
         d = (elbo_terms(model, x, y, mc) - old_terms) / y.shape[1]                  # (B/2, M)
         ratio = d.mean(1).exp()
-        clipped = (ppo_clip(ratio, A, args.clip_eps) < ratio * A).double().mean().item()
+        clipped = (ppo_clip(ratio, A, args.clip_eps) < ratio * A).double().mean().item()  # the naive's
     grads = gradients(model, x, y, mc, old_terms, A, args.clip_eps)
     grads = {name: g.double() for name, g in grads.items()}
     naive = grads["naive (one graph)"]
     result = {"mean |d|": d.abs().mean().item(), "max |d|": d.abs().max().item(),
-              "max |ratio - 1|": (ratio - 1).abs().max().item(), "clipped": clipped}
+              "max |ratio - 1|": (ratio - 1).abs().max().item(), "share clipped": clipped}
     for name, g in grads.items():
         result[name] = ((g - naive).norm() / naive.norm()).item(), torch.cosine_similarity(g, naive, 0).item()
     return result
@@ -106,7 +105,7 @@ def main(argv=None):
     results = [r for r in results if r is not None]                       # None: the second half tied
     print(f"{source}: the second mini-batch of {len(results)} rollout batches, after the first's update "
           f"(lr {args.rl_lr:g}, clip {args.clip_eps:g}, n_t = {args.mc_samples})")
-    for key in ("mean |d|", "max |d|", "max |ratio - 1|", "clipped"):
+    for key in ("mean |d|", "max |d|", "max |ratio - 1|", "share clipped"):
         print(f"  {key:>18}: " + " ".join(f"{r[key]:.2e}" for r in results))
     print(f"  {'gradient':>18}  relative difference from the naive gradient (median) | cosine (median)")
     for name in ("naive (one graph)", "naive (two passes)", "BGPO", "Lemma 1 only", "Lemma 2 only"):

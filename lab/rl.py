@@ -1,7 +1,9 @@
 """
 The lab's RL loop: bgpo.run_rl's with the field's objectives and the lab's diagnostics:
 
-    python -m lab.rl --objective {bgpo,naive,diffu-grpo,stp,dtrpo,trajectory} [any bgpo.py flag] [lab flags]
+    python -m lab.rl --objective NAME [any bgpo.py flag] [lab flags]
+
+NAME: bgpo, naive, naive-two-pass, lemma1-only, lemma2-only, diffu-grpo, stp, dtrpo or trajectory.
 
 run_rl below is bgpo.run_rl's loop with its five steps made replaceable, and it shares everything
 else with bgpo.py: the rollouts (bgpo.sample_rollouts), the advantages (bgpo.group_advantages), the

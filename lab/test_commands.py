@@ -59,7 +59,7 @@ def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_
     assert len(results) == 2
     for r in results:
         assert r["max |d|"] > 1e-4 and r["naive (two passes)"][0] < 1e-10, r
-        assert r["BGPO"][0] > 1e-6 and -1 <= r["BGPO"][1] <= 1, r
+        assert r["BGPO"][0] > 1e-6 and r["BGPO"][1] < 1 - 1e-12, r
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
