@@ -680,7 +680,8 @@ def make_parser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked 
     a("--mc-chunk", type=positive_int, default=1, help="MC samples per backward in BGPO")
     a("--updates-per-batch", type=positive_int, default=1, help="passes over a rollout batch; 1 = on-policy")
     a("--minibatches", type=positive_int, default=1,
-      help="updates per pass, each on a K-th of the prompts; 2 = the paper's off-policy scheme")
+      help="updates per pass over a rollout batch, each on an equal share of its prompts (whole groups); "
+           "2 = the paper's off-policy scheme")
     a("--clip-eps", type=positive_float, default=0.2, help="PPO clip, used when off-policy")
     a("--rl-steps", type=positive_int, default=200, help="RL steps, one rollout batch each")
     a("--rl-lr", type=positive_float, default=1e-4, help="RL learning rate")

@@ -86,8 +86,8 @@ def parse_args(argv=None):
     args.updates_per_batch = args.updates_per_batch or (4 if args.objective in FIELD else 1)
     args.clip_eps = args.clip_eps or (0.5 if args.objective == "diffu-grpo" else 0.2)
     args.anchors = stp and not args.no_anchors and args.task == "sudoku"   # the other tasks have no anchors
-    if args.objective == "trajectory" and args.updates_per_batch > 1:
-        p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1")
+    if args.objective == "trajectory" and (args.updates_per_batch > 1 or args.minibatches > 1):
+        p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1 and --minibatches 1")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     # the others draw no masked copies

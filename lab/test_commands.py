@@ -199,6 +199,7 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
     (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
+    (["--objective", "trajectory", "--minibatches", "2"], "on-policy"),
     (["--stp-tau", "0.5"], "--stp-tau is an option of --objective stp, not bgpo"),
     (["--objective", "stp", "--stp-tau", "0"], "--stp-tau must be in (0, 1]"),
     (["--d1-advantages"], "--d1-advantages is an option of --objective diffu-grpo"),
