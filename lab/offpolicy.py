@@ -10,7 +10,6 @@ From the RL run's checkpoint (its weights and its AdamW state; the SFT model and
 each objective (the naive one in one graph and in two passes, BGPO, each lemma alone) against the
 naive one: relative difference and cosine. Nothing is written; the run's checkpoint is untouched.
 """
-import argparse
 import copy
 import statistics
 
@@ -18,7 +17,7 @@ import torch
 
 import bgpo
 import lab
-from bgpo import (MCSamples, bgpo_bound, draw_mc_samples, elbo_terms, group_advantages, load_checkpoint,
+from bgpo import (MCSamples, draw_mc_samples, elbo_terms, group_advantages, load_checkpoint,
                   load_model, ppo_clip, rl_backward, sample_rollouts, sft_path)
 from lab.objectives import bound_backward, flat_grad, lemma1_bound, lemma2_bound, naive_two_pass_backward
 from tasks import get_task
@@ -29,7 +28,7 @@ def gradients(model, x, y, mc, old_terms, A, clip_eps):
         bgpo.naive_loss(*inputs).backward()
 
     updates = {"naive (one graph)": naive_one_graph, "naive (two passes)": naive_two_pass_backward,
-               "BGPO": lambda *inputs: bound_backward(*inputs[:-1], bgpo_bound, inputs[-1]),
+               "BGPO": bgpo.bgpo_backward,
                "Lemma 1 only": lambda *inputs: bound_backward(*inputs[:-1], lemma1_bound, inputs[-1]),
                "Lemma 2 only": lambda *inputs: bound_backward(*inputs[:-1], lemma2_bound, inputs[-1])}
     grads = {}
