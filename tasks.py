@@ -182,9 +182,8 @@ def parse_expression(text, max_len=32, max_abs=10**6):
     return (None if undefined else value), numbers
 
 class Task:
-    """What every task shares: the tokenizer and its encode/decode. Each task also says when an
-    answer is well-formed, right or wrong (valid): the RL log tracks that share, because a policy
-    that collapses stops writing valid answers before its reward says why."""
+    """What every task shares: the tokenizer and its encode/decode. Each task also has prompt_pattern,
+    a regular expression that every prompt of the task matches (bgpo.py --prompt checks a user's)."""
     tokenizer = TOKENIZER
 
     def encode(self, text):
@@ -209,6 +208,7 @@ class Arithmetic(Task):
     def __post_init__(self):
         self.prompt_len = 2 * self.digits + 2      # "999+999="
         self.gen_len = self.digits + 1             # "1998"
+        self.prompt_pattern = rf"\d{{1,{self.digits}}}\+\d{{1,{self.digits}}}="
 
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)
@@ -228,9 +228,6 @@ class Arithmetic(Task):
         except (ValueError, AttributeError):
             return 0.0
 
-    def valid(self, prompt, completion):
-        """A number: digits only."""
-        return _answer_text(completion).isdigit()
 
 # -----------------------------------------------------------------------------
 # Task 2: Countdown with three numbers.
@@ -269,6 +266,7 @@ class Countdown(Task):
     def __post_init__(self):
         self.prompt_len = 12   # "20,20,20:100"
         self.gen_len = 10      # "(20-19)*20" is the longest canonical answer
+        self.prompt_pattern = r"\d{1,2},\d{1,2},\d{1,2}:\d{1,3}"
 
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)
@@ -304,10 +302,6 @@ class Countdown(Task):
         numbers, target, value, used = read
         return 1.0 if sorted(used) == numbers and value == target else 0.1
 
-    def valid(self, prompt, completion):
-        """An expression that uses exactly the prompt's numbers, whatever its value."""
-        read = self._read(prompt, completion)
-        return read is not None and sorted(read[3]) == read[0]
 
 # -----------------------------------------------------------------------------
 # Task 3: 4x4 Sudoku.
@@ -350,6 +344,7 @@ class Sudoku(Task):
     def __post_init__(self):
         self.prompt_len = 19   # "12.4|3.1.|....|..3."
         self.gen_len = 16
+        self.prompt_pattern = r"[1-4.]{4}(\|[1-4.]{4}){3}"
 
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)
@@ -377,12 +372,6 @@ class Sudoku(Task):
         right = sum(1 for i in blanks if i < len(answer) and answer[i] == solutions[0][i])
         return right / len(blanks)
 
-    def valid(self, prompt, completion):
-        """16 digits in 1-4 that keep the prompt's given cells."""
-        answer, cells = (_answer_text(completion)[:16],
-                         prompt.replace("|", "") if isinstance(prompt, str) else "")
-        return (len(answer) == 16 == len(cells) and set(answer) <= set("1234")
-                and all(c in (".", a) for c, a in zip(cells, answer)))
 
 # -----------------------------------------------------------------------------
 

@@ -142,15 +142,14 @@ def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratifi
         return torch.rand(B, M, L, generator=generator) < t[..., None], 1.0 / t
     raise ValueError(f"scheme: expected 'stratified' or 'iid', got {scheme!r}")
 
-def masked_log_likelihood(model, prompts, completions, mask, per_token=False):
+def masked_log_likelihood(model, prompts, completions, mask):
     """sum_{i masked} log p_theta(y^i | y_t, x) for each row: (N,) in the model's dtype.
-    prompts (N, P), completions (N, L), mask (N, L) bool. The prompt is never masked.
-    per_token=True returns the (N, L) log p_theta(y^i | y_t, x) of every position instead, masked or not."""
+    prompts (N, P), completions (N, L), mask (N, L) bool. The prompt is never masked."""
     P = prompts.shape[1]
     y_t = completions.masked_fill(mask, model.config.mask_id)
     logits = model(torch.cat([prompts, y_t], dim=1))[:, P:]             # (N, L, V)
     logp = logits.log_softmax(-1).gather(-1, completions[..., None])[..., 0]  # (N, L)
-    return logp if per_token else (logp * mask).sum(-1)
+    return (logp * mask).sum(-1)
 
 def sft_loss(model, prompts, completions, generator=None, scheme="stratified"):
     """Negative ELBO per completion token (Eq. 4 averaged over the batch, divided by L), with one
@@ -164,35 +163,6 @@ def sft_loss(model, prompts, completions, generator=None, scheme="stratified"):
 # -----------------------------------------------------------------------------
 # Sampler: iterative unmasking with low-confidence remasking (LLaDA, Nie et al. 2025)
 
-def steps_per_block(steps, num_blocks):
-    return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
-
-def tokens_per_step(block_size, steps):
-    """As even as possible: block_size tokens over `steps` steps, the larger counts first."""
-    return [block_size // steps + (s < block_size % steps) for s in range(steps)]
-
-def sample_tokens(logits, temperature, generator=None):
-    """A token per position: argmax at temperature 0, else a sample of softmax(logits / temperature) by the
-    Gumbel-max trick. The noise is drawn on the CPU, so a seed gives the same tokens on every device."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
-    gumbel = -torch.log(-torch.log(u)).to(logits.device)
-    return (logits + temperature * gumbel).argmax(-1)
-
-def check_sampler_args(gen_len, steps, block_len, temperature):
-    """generate's defaults filled in and checked: (steps, block_len, number of blocks)."""
-    steps = gen_len if steps is None else steps
-    block_len = gen_len if block_len is None else block_len
-    if not 1 <= block_len <= gen_len:
-        raise ValueError(f"block_len: expected 1..{gen_len}, got {block_len}")
-    num_blocks = math.ceil(gen_len / block_len)
-    if not num_blocks <= steps <= gen_len:
-        raise ValueError(f"steps: expected {num_blocks}..{gen_len} (at least one per block), got {steps}")
-    if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    return steps, block_len, num_blocks
-
 @torch.no_grad()
 def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
              return_steps=False):
@@ -204,19 +174,29 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     the least confident. Confidence is the model's probability of the chosen token; the block's
     tokens are spread as evenly as possible over its steps. temperature 0 is greedy.
     With return_steps=True also returns the (B, L) step index at which each position was committed."""
-    steps, block_len, num_blocks = check_sampler_args(gen_len, steps, block_len, temperature)
+    steps, block_len = gen_len if steps is None else steps, gen_len if block_len is None else block_len
+    num_blocks = math.ceil(gen_len / block_len) if 1 <= block_len <= gen_len else 0
+    if num_blocks == 0 or not num_blocks <= steps <= gen_len or temperature < 0:
+        raise ValueError(f"block_len, steps, temperature: expected 1..{gen_len}, {num_blocks or 1}.."
+                         f"{gen_len} (a step per block at least), >= 0; got {block_len}, {steps}, {temperature}")
     B, P = prompts.shape
     completion = torch.full((B, gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
     x = torch.cat([prompts, completion], 1)                              # (B, T)
     committed_at = torch.full((B, gen_len), -1, dtype=torch.long, device=prompts.device)
     step = 0
-    for b, block_steps in enumerate(steps_per_block(steps, num_blocks)):
+    for b in range(num_blocks):
         lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
-        for k in tokens_per_step(hi - lo, block_steps):
+        block_steps = steps // num_blocks + (b < steps % num_blocks)     # as even as possible
+        for s in range(block_steps):
+            k = (hi - lo) // block_steps + (s < (hi - lo) % block_steps)  # tokens committed at this step
             if k == 0:
                 continue                      # a short last block can have more steps than tokens
             logits = model(x).float()                                    # (B, T, V)
-            x0 = sample_tokens(logits, temperature, generator)           # (B, T) a token everywhere
+            if temperature == 0:
+                x0 = logits.argmax(-1)                                   # (B, T) a token everywhere
+            else:  # Gumbel-max sampling from softmax(logits / T); CPU noise: the same tokens on every device
+                u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+                x0 = (logits + temperature * -torch.log(-torch.log(u)).to(logits.device)).argmax(-1)
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]
             candidate = torch.zeros_like(x, dtype=torch.bool)
             candidate[:, lo:hi] = x[:, lo:hi] == model.config.mask_id   # the current block's masked positions

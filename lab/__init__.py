@@ -1,7 +1,8 @@
 """
 The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.py).
 
-- estimators.py: the field's other likelihood estimators and their exact moments by enumeration.
+- estimators.py: the field's other likelihood estimators, the exact ELBO and random-order likelihood,
+  and the estimators' exact moments, all by enumeration.
 - bench_estimators.py: every estimator against exact enumeration (the paper's Fig. 3 in small).
 - objectives.py: the field's RL objectives (d1's diffu-GRPO, STP, dTRPO, the trajectory control) as
   Objective values, and dTRPO's offline DPO loss; sampler.py: generate with random remasking and STP's
@@ -11,7 +12,8 @@ The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.p
 - dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), stages.py, radd.py: dTRPO as
   published, every objective's memory, several runs in one figure, one tutorial run's SFT and RL stages
   with its control, RADD's cached sampler.
-README.md in this folder has what each measured; test_*.py its claims, run with the tutorial's tests.
+README.md in this folder has what each measured; test_*.py its claims (helpers in testing.py), run with
+the tutorial's tests.
 Dependencies run one way: lab -> bgpo -> tiny_dllm, tasks.
 """
 import bgpo

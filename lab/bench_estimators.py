@@ -27,13 +27,14 @@ import torch
 import bgpo
 import lab
 from lab import sampler
-from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_from_table, elbo_terms,
-                  exact_elbo, group_advantages, log_probs_under_every_mask, naive_loss,
-                  random_order_from_table, sample_rollouts)
+from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_terms, group_advantages,
+                  naive_loss, sample_rollouts)
 from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments,
-                            diffucoder_moments, dtrpo_log_likelihood, exact_table, one_step_log_likelihood,
-                            one_step_prompt_mask_moments, size_stats, stp_log_likelihood, stratified_moments,
-                            sudoku_anchors, trajectory_log_likelihood, trajectory_moments)
+                            diffucoder_moments, dtrpo_log_likelihood, elbo_from_table, exact_elbo,
+                            exact_table, log_probs_under_every_mask, one_step_log_likelihood,
+                            one_step_prompt_mask_moments, random_order_from_table, size_stats,
+                            stp_log_likelihood, stratified_moments, sudoku_anchors,
+                            trajectory_log_likelihood, trajectory_moments)
 from lab.figures import draw
 from lab.objectives import flat_grad
 

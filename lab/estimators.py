@@ -12,7 +12,9 @@ An RL objective for a masked diffusion LM needs log pi_theta(y|x), which is intr
 - STP ("Efficient and Stable RL for Diffusion Language Models", Liu et al. 2026): anchor tokens
   from a static prior that are never masked (spatial pruning).
 Completions here have 4-16 tokens, so every estimator's mean and variance can be computed exactly,
-by enumerating its randomness (mask sets, steps, prompt masks) with their probabilities: section 2.
+by enumerating its randomness (mask sets, steps, prompt masks) with their probabilities: section 3,
+on the exact likelihoods of section 2 (the ELBO, and the random-order model's likelihood by a dynamic
+programme over the 2^L mask sets, both from one table of every mask set's log-probabilities).
 lab/bench_estimators.py measures them all on a trained model; lab/objectives.py makes RL objectives
 of them.
 
@@ -37,7 +39,7 @@ import math
 import numpy as np
 import torch
 
-from bgpo import MCSamples, elbo_from_table, log_probs_under_every_mask, subset_masks
+from bgpo import MCSamples
 from tiny_dllm import mask_by_count, masked_log_likelihood
 
 # -----------------------------------------------------------------------------
@@ -48,6 +50,16 @@ def _check_batch(prompts, completions):
     if prompts.dim() != 2 or completions.dim() != 2 or prompts.shape[0] != completions.shape[0]:
         raise ValueError(f"prompts, completions: expected (B, P) and (B, L), got {tuple(prompts.shape)} and "
                          f"{tuple(completions.shape)}")
+
+
+def token_log_probs(model, prompts, completions, mask):
+    """log p_theta(y^i | y_t, x) of every position, masked or not: (N, L). prompts (N, P), completions
+    (N, L), mask (N, L) bool, the positions of y_t that are MASK. A copy of tiny_dllm.masked_log_likelihood
+    without its final sum over the masked positions (a test keeps the two equal)."""
+    P = prompts.shape[1]
+    y_t = completions.masked_fill(mask, model.config.mask_id)
+    logits = model(torch.cat([prompts, y_t], dim=1))[:, P:]             # (N, L, V)
+    return logits.log_softmax(-1).gather(-1, completions[..., None])[..., 0]  # (N, L)
 
 
 def antithetic_elbo(model, prompts, completions, generator=None):
@@ -83,7 +95,7 @@ def diffucoder_coupled(model, prompts, completions, generator=None, per_token=Fa
     t = 0.2 + 0.6 * torch.rand(B, 1, generator=generator)
     S = torch.rand(B, L, generator=generator) < t
     masks = torch.cat([torch.ones_like(S), S, ~S]).to(completions.device)
-    logp = masked_log_likelihood(model, prompts.repeat(3, 1), completions.repeat(3, 1), masks, per_token=True)
+    logp = token_log_probs(model, prompts.repeat(3, 1), completions.repeat(3, 1), masks)
     logp, S, t = logp.view(3, B, L), S.to(logp.device), t.to(logp)
     l = 0.5 * (logp[0] + S * logp[1] / t + ~S * logp[2] / (1 - t))                  # (B, L)
     return l if per_token else l.sum(1)
@@ -102,7 +114,7 @@ def one_step_log_likelihood(model, prompts, completions, prompt_mask_prob=0.0, g
         hide = torch.rand(prompts.shape, generator=generator) < prompt_mask_prob
         prompts = prompts.masked_fill(hide.to(prompts.device), model.config.mask_id)
     everything = torch.ones_like(completions, dtype=torch.bool)
-    logp = masked_log_likelihood(model, prompts, completions, everything, per_token=True)   # (B, L)
+    logp = token_log_probs(model, prompts, completions, everything)   # (B, L)
     return logp if per_token else logp.sum(1)
 
 
@@ -129,8 +141,8 @@ def trajectory_log_likelihood(model, prompts, completions, commit_steps, per_tok
     K = int(commit_steps.max()) + 1
     s = torch.arange(K, device=commit_steps.device)[None, :, None]
     masked_before = commit_steps[:, None, :] >= s                                    # (B, K, L)
-    logp = masked_log_likelihood(model, prompts.repeat_interleave(K, 0), completions.repeat_interleave(K, 0),
-                                 masked_before.flatten(0, 1), per_token=True).view(B, K, L)
+    logp = token_log_probs(model, prompts.repeat_interleave(K, 0), completions.repeat_interleave(K, 0),
+                           masked_before.flatten(0, 1)).view(B, K, L)
     # each token at its own step
     per_position = (logp * (commit_steps[:, None, :] == s)).sum(1)
     return per_position if per_token else per_position.sum(1)
@@ -172,9 +184,8 @@ def dtrpo_log_likelihood(model, prompts, completions, commit_steps, block_len=No
     # (B, nb, L): before step t_b
     states = commit_steps[:, None] >= t[..., None]
     new = (commit_steps[:, None] == t[..., None]) & (block == torch.arange(nb, device=block.device)[:, None])
-    logp = masked_log_likelihood(model, prompts.repeat_interleave(nb, 0),
-                                 completions.repeat_interleave(nb, 0),
-                                 states.flatten(0, 1), per_token=True).view(B, nb, L)
+    logp = token_log_probs(model, prompts.repeat_interleave(nb, 0), completions.repeat_interleave(nb, 0),
+                           states.flatten(0, 1)).view(B, nb, L)
     return (present.sum(-1).to(logp) * (logp * new).sum(-1)).sum(1)
 
 
@@ -205,8 +216,8 @@ def stp_token_log_likelihood(model, prompts, completions, mc):
         raise ValueError(f"mc.mask: expected ({B}, n, {L}), got {tuple(mc.mask.shape)}")
     n = mc.mask.shape[1]
     mask = mc.mask.to(completions.device)
-    logp = masked_log_likelihood(model, prompts.repeat_interleave(n, 0), completions.repeat_interleave(n, 0),
-                                 mask.flatten(0, 1), per_token=True).view(B, n, L)
+    logp = token_log_probs(model, prompts.repeat_interleave(n, 0), completions.repeat_interleave(n, 0),
+                           mask.flatten(0, 1)).view(B, n, L)
     return (mc.weight.to(logp)[..., None] * mask * logp).mean(1)
 
 
@@ -238,9 +249,70 @@ def average_of_draws(estimator, n, model, prompts, completions, *per_row, **opti
 
 
 # -----------------------------------------------------------------------------
-# 2. Exact moments: every estimator's mean and variance by enumeration of its randomness
+# 2. Exact likelihoods by enumeration of the 2^L mask sets (L <= 10 in seconds on a CPU)
+
+
+def subset_masks(L, device=None):
+    """Every subset of L positions as a (2^L, L) bool row: row S is the subset with bitmask S."""
+    bits = torch.arange(2**L, device=device)
+    return (bits[:, None] >> torch.arange(L, device=device)) & 1 == 1
+
+
+def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
+    """The table behind every exact quantity, for one prompt (P,) and completion (L,): masks (N, L),
+    every non-empty subset S of the positions (row r is bitmask r + 1, N = 2^L - 1), and logp (N, L)
+    with logp[S, i] = log p(y^i | y with S masked, x). Differentiable; chunk bounds the rows per forward."""
+    L = completion.shape[0]
+    masks = subset_masks(L, completion.device)[1:]                                   # (N, L)
+    rows = [token_log_probs(model, prompt.expand(len(m), -1), completion.expand(len(m), L), m)
+            for m in masks.split(chunk)]
+    return masks, torch.cat(rows)
+
+
+def exact_elbo(model, prompt, completion):
+    """The ELBO by enumerating the 2^L - 1 mask sets:
+    ELBO = sum_{k=1..L} (1/k) mean_{|S|=k} sum_{i in S} log p(y^i | y with S masked, x).
+    Both MC schemes have this expectation. Differentiable."""
+    return elbo_from_table(*log_probs_under_every_mask(model, prompt, completion))
+
+
+def elbo_from_table(masks, logp):
+    """sum_S a(S) / (k C(L, k)), with a(S) the masked log-likelihood of set S and k = |S|."""
+    L, k = masks.shape[1], masks.sum(1)
+    n_sets = torch.tensor([math.comb(L, int(j)) for j in k], dtype=logp.dtype, device=logp.device)
+    return ((logp * masks).sum(1) / (k * n_sets)).sum()
+
+
+def random_order_log_likelihood(model, prompt, completion):
+    """An any-order autoregressive model that reveals y one uniformly random position at a time:
+    returns (E_sigma log p_sigma(y), log E_sigma p_sigma(y)). The first equals the ELBO (RADD's
+    theorem), the second bounds it from above (Jensen). A dynamic programme over the 2^L sets S of
+    still-masked positions gives both without the L! orders: f(empty) = h(empty) = 0,
+        f(S) = (1/|S|) sum_{i in S} [log p(y^i | S masked) + f(S - i)]
+        h(S) = log (1/|S|) sum_{i in S} exp(log p(y^i | S masked) + h(S - i)).  Differentiable."""
+    return random_order_from_table(*log_probs_under_every_mask(model, prompt, completion))
+
+
+def random_order_from_table(masks, logp):
+    """random_order_log_likelihood's dynamic programme on the table of log_probs_under_every_mask."""
+    L = masks.shape[1]
+    size, bit = masks.sum(1), 1 << torch.arange(L, device=masks.device)
+    f = h = logp.new_zeros(2**L)                                     # indexed by bitmask; f[0] = 0
+    for k in range(1, L + 1):
+        rows = (size == k).nonzero()[:, 0]                           # the sets of size k
+        S = rows + 1
+        child = S[:, None] & ~bit                                    # S - i for each i (S if i not in S)
+        inside = masks[rows]
+        f = f.index_put((S,), ((logp[rows] + f[child]) * inside).sum(1) / k)
+        h_of_S = (logp[rows] + h[child]).masked_fill(~inside, float("-inf")).logsumexp(1) - math.log(k)
+        h = h.index_put((S,), h_of_S)
+    return f[-1], h[-1]
+
+
+# -----------------------------------------------------------------------------
+# 3. Exact moments: every estimator's mean and variance by enumeration of its randomness
 #
-# All of them read one table per sequence, bgpo.log_probs_under_every_mask: logp[S, i] for
+# All of them read one table per sequence, log_probs_under_every_mask: logp[S, i] for
 # every mask set S. a[S] = sum_{i in S} logp[S, i] over all 2^L bitmasks (a[0] = 0) is the only
 # quantity the ELBO estimators see; the trajectory's states are mask sets too.
 
@@ -363,7 +435,6 @@ def anchored_elbo(model, prompt, completion, free):
     pick = subset_masks(F, completion.device)[1:]                                    # (2^F - 1, F)
     masks = torch.zeros(len(pick), L, dtype=torch.bool, device=completion.device)
     masks[:, positions] = pick
-    logp = masked_log_likelihood(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L),
-                                 masks, per_token=True)
+    logp = token_log_probs(model, prompt.expand(len(masks), -1), completion.expand(len(masks), L), masks)
     # the ELBO over F positions
     return elbo_from_table(pick, logp[:, positions])

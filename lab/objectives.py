@@ -21,8 +21,8 @@ from bgpo import (MCSamples, Rollouts, bgpo_backward, bgpo_bound, check_shapes, 
                   log_ratio, naive_loss, naive_objective, off_policy, ppo_clip, reward_groups)
 from lab import sampler
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
-                            one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors)
-from tiny_dllm import masked_log_likelihood
+                            one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors,
+                            token_log_probs)
 
 PROMPT_MASK_PROB = 0.15  # d1's probability of masking each prompt token
 
@@ -111,7 +111,7 @@ def trajectory_backward(model, prompts, completions, commit_steps, advantages):
                          f"got shape {tuple(advantages.shape)}")
     L, total = completions.shape[1], 0.0
     for s in range(int(commit_steps.max()) + 1):
-        logp = masked_log_likelihood(model, prompts, completions, commit_steps >= s, per_token=True)
+        logp = token_log_probs(model, prompts, completions, commit_steps >= s)
         loss = -(advantages.to(logp) * (logp * (commit_steps == s)).sum(1)).mean() / L
         loss.backward()
         total += loss.item()

@@ -3,7 +3,8 @@ The lab's sampler: tiny_dllm.generate (LLaDA's) with the options the lab's exper
 
 - remasking="random": commit positions of the block chosen uniformly instead of the most confident
   ones (LLaDA's other option). The order then does not depend on the model, and with one token per
-  step it samples from the random-order model whose likelihood bgpo.random_order_log_likelihood computes.
+  step it samples from the random-order model whose likelihood lab.estimators.random_order_log_likelihood
+  computes.
 - STP's two prunings (Liu et al. 2026), both off by default:
   prior (B, L): token ids, mask_id where free. The other tokens (anchors) are in place from the start,
     are never changed, and keep commit step -1; each row spreads its own free positions over the
@@ -11,11 +12,41 @@ The lab's sampler: tiny_dllm.generate (LLaDA's) with the options the lab's exper
   early_stop tau: a row stops committing once int(tau * gen_len) of its tokens are in place (anchors
     included); when every row has stopped, one more forward pass fills every position still masked
     with its sampled token, all committed at that last step.
-With none of them it gives generate's completions, draw for draw.
+With none of them it gives generate's completions, draw for draw (a test checks it). The four helpers
+below copy tiny_dllm.generate's logic: its argument checks, its token schedule and its sampling.
 """
+import math
+
 import torch
 
-from tiny_dllm import check_sampler_args, sample_tokens, steps_per_block, tokens_per_step
+def steps_per_block(steps, num_blocks):
+    return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
+
+def tokens_per_step(block_size, steps):
+    """As even as possible: block_size tokens over `steps` steps, the larger counts first."""
+    return [block_size // steps + (s < block_size % steps) for s in range(steps)]
+
+def sample_tokens(logits, temperature, generator=None):
+    """A token per position: argmax at temperature 0, else a sample of softmax(logits / temperature) by the
+    Gumbel-max trick. The noise is drawn on the CPU, so a seed gives the same tokens on every device."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+    gumbel = -torch.log(-torch.log(u)).to(logits.device)
+    return (logits + temperature * gumbel).argmax(-1)
+
+def check_sampler_args(gen_len, steps, block_len, temperature):
+    """generate's defaults filled in and checked: (steps, block_len, number of blocks)."""
+    steps = gen_len if steps is None else steps
+    block_len = gen_len if block_len is None else block_len
+    if not 1 <= block_len <= gen_len:
+        raise ValueError(f"block_len: expected 1..{gen_len}, got {block_len}")
+    num_blocks = math.ceil(gen_len / block_len)
+    if not num_blocks <= steps <= gen_len:
+        raise ValueError(f"steps: expected {num_blocks}..{gen_len} (at least one per block), got {steps}")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    return steps, block_len, num_blocks
 
 @torch.no_grad()
 def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,

@@ -12,8 +12,8 @@ import torch
 import bgpo
 from lab import (bench_estimators, bench_memory, compare, control, dtrpo_offline, figures, offpolicy, rl,
                  stages)
+from lab.testing import tiny_argv
 from tasks import get_task
-from test_bgpo import tiny_argv
 
 @pytest.fixture(scope="module")
 def shared_out(tmp_path_factory):

@@ -11,12 +11,27 @@ import pytest
 import torch
 
 import bgpo
-from bgpo import (draw_mc_samples, elbo_terms, exact_elbo, log_probs_under_every_mask,
-                  random_order_log_likelihood)
+from bgpo import draw_mc_samples, elbo_terms
 from lab import estimators, sampler
+from lab.estimators import (exact_elbo, log_probs_under_every_mask, random_order_log_likelihood,
+                            token_log_probs)
+from lab.testing import grads, random_batch, report, tiny_model
 from tasks import get_task
-from test_bgpo import grads, random_batch, report, tiny_model
 from tiny_dllm import ModelConfig, TinyDLLM, generate, masked_log_likelihood, sft_loss
+
+def test_token_log_probs_summed_over_the_mask_equal_masked_log_likelihood():
+    """token_log_probs is tiny_dllm.masked_log_likelihood without its final sum: summed over the masked
+    positions, the two agree to float64 rounding (masks with none, some and all positions)."""
+    model = tiny_model()
+    x, y = random_batch(B=6)
+    mask = torch.rand(y.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask[0], mask[1] = False, True
+    with torch.no_grad():
+        per_token = token_log_probs(model, x, y, mask)                              # (B, L)
+        summed = masked_log_likelihood(model, x, y, mask)                           # (B,)
+    assert tuple(per_token.shape) == tuple(y.shape), per_token.shape
+    assert torch.allclose((per_token * mask).sum(-1), summed, rtol=0, atol=1e-12), (
+        report((per_token * mask).sum(-1), summed))
 
 def test_random_remasking_samples_from_the_random_order_likelihood():
     """With remasking="random" and one token per step, the lab's sampler draws y with probability

@@ -16,8 +16,8 @@ from lab import objectives, rl
 from lab.estimators import (dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood,
                             trajectory_log_likelihood)
 from lab.radd import generate_radd
-from test_bgpo import grads, on_policy_setup, random_batch, report, tiny_model
 from lab.sampler import generate as lab_generate
+from lab.testing import grads, on_policy_setup, random_batch, report, tiny_model
 from tiny_dllm import generate
 
 def lab_args(**settings):
@@ -229,7 +229,7 @@ def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_upda
     """lab.rl's loop is bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no lab
     option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
     (in one) by float rounding only, on-policy and with the paper's two mini-batches."""
-    from test_bgpo import read_log, tiny_argv
+    from lab.testing import read_log, tiny_argv
     # a tiny model's groups all tie: fixed advantages of both signs make every step update
     monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
     same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2",
