@@ -126,7 +126,9 @@ def bgpo_bound(d, A, n_t, clip_eps=None):
     exp(log(1 + d)) (DARE's form), which is NaN for d <= -1."""
     A = A[:, None]
     positive = A >= 0
-    per_sample = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())  # no exp where unused
+    # exp(d) only where A < 0: in float32 exp(d) is inf for d > 88, and torch.where's backward would
+    # multiply that inf by 0 (NaN) in the branch it does not take
+    per_sample = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())
     return ppo_clip(per_sample, A, clip_eps) / n_t
 
 def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
@@ -542,15 +544,14 @@ def make_parser():
 
 def check_args(p, args):
     """Check the flags against each other (p.error: one line, exit code 2) and fill the derived defaults."""
+    for name, value in vars(args).items():   # every integer flag but these two counts something
+        if type(value) is int and name not in ("seed", "demos") and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     task, k = get_task(args.task), f"_k{args.minibatches}" if args.minibatches > 1 else ""
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-    positive = ["n_layer", "n_head", "n_embd", "sft_steps", "sft_eval_every", "val_size", "mc_samples",
-                "mc_chunk", "minibatches", "rl_steps", "prompts_per_step", "eval_every", "eval_size"]
     for ok, message in [
-            *[(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be a positive integer, got "
-               f"{getattr(args, name)}") for name in positive],
             (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
             (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}"),
             (args.group_size >= 2, f"--group-size must be at least 2 (advantages compare), got {args.group_size}"),
