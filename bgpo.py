@@ -9,16 +9,10 @@ setting) BGPO's update IS the naive objective's gradient, accumulated one Monte 
 A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies of each
 completion. The naive objective exp(mean_j d_j) A couples the n_t copies through the exp; computed as
 one autograd graph it keeps all n_t graphs alive. BGPO replaces it by a lower bound that is a sum over
-copies, so backward runs one copy at a time and memory is that of one copy. On-policy every d_j is 0
-and the bound equals the naive objective in value and gradient. Off-policy (--minibatches 2: the second
-mini-batch's update comes after the first's) the two differ and the bound's two lemmas act: BGPO
-optimises the bound, while a no-grad pass over the copies would give the exact naive gradient in the
-same memory, for one extra forward pass (lab/objectives.py: naive_two_pass_backward).
-
-The file, in reading order: 1. the ELBO and its Monte Carlo estimate (Eq. 4-5); 2. the naive objective
-(Eq. 6-7) and BGPO's bound (Eq. 9-14) side by side, group advantages (Eq. 18); 3. activation memory;
-4. the script: SFT on demonstrations, then RL with the verifier (run_rl); 5. the memory benchmark
-(--bench-memory, the paper's Fig. 1 in small); 6. the command line.
+copies, so backward runs one copy at a time, in one copy's memory. On-policy every d_j is 0 and the
+bound equals the naive objective in value and gradient. Off-policy (--minibatches 2) the bound's two
+lemmas act and the gradients differ; a no-grad pass over the copies would give the exact naive
+gradient in the same memory, for one more forward pass (the lab's naive_two_pass_backward).
 
 Simplifications versus the paper:
 1. A 0.6M-parameter model trained from scratch on toy tasks instead of LLaDA-8B-Instruct.
@@ -69,7 +63,7 @@ class MCSamples:
 
 def draw_mc_samples(batch_size, gen_len, n_t, generator=None, scheme="stratified"):
     """n_t masked copies per sequence, each an unbiased one-sample estimate of the ELBO: the forward
-    process of tiny_dllm.py, "stratified" (LLaDA's, the default: mask counts spread over 1..L) or "iid"."""
+    process of tiny_dllm.py: "stratified" (the default, after LLaDA's: counts spread over 1..L) or "iid"."""
     return MCSamples(*forward_process(batch_size, gen_len, n_t, generator, scheme))
 
 def elbo_terms(model, prompts, completions, mc):
@@ -236,9 +230,8 @@ def encode(task, prompts, answers=None, device="cpu"):
     return x, task.tokenizer.encode_batch(answers, task.gen_len, "right").to(device)
 
 def make_model(task, args):
-    return TinyDLLM(ModelConfig(vocab_size=task.tokenizer.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
-                                n_embd=args.n_embd, max_len=task.prompt_len + task.gen_len,
-                                mask_id=task.tokenizer.mask_id))
+    return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
+                                task.prompt_len + task.gen_len, task.tokenizer.mask_id))
 
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
@@ -282,8 +275,7 @@ def load_model(path, task, args):
     return model.to(args.device)
 
 def sft_path(args):
-    """The SFT checkpoint's name records every setting that changes the kept model (the sampler that
-    writes its validation answers is fixed), so --stage all reuses one only when they all match."""
+    """The SFT checkpoint's name records every setting that changes the kept model: --stage all reuses it."""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
                         f"h{args.n_head}e{args.n_embd}_seed{args.seed}.pt")
@@ -329,7 +321,7 @@ def run_sft(args, task):
         seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
-        val, test = evaluate(model, task, val_prompts, args), evaluate(model, task, held_out(task, args), args)
+        val, test = (evaluate(model, task, prompts, args) for prompts in (val_prompts, held_out(task, args)))
         curve.append({"step": step, "loss": sum(losses) / len(losses), "val_reward": val["reward"],
                       "val_accuracy": val["accuracy"], "accuracy": test["accuracy"], "reward": test["reward"],
                       "seconds": seconds})
@@ -353,16 +345,14 @@ def run_sft(args, task):
 
 @torch.no_grad()
 def sample_rollouts(model, task, prompts, args, generator):
-    """G completions of each prompt from the current policy at TEMPERATURE, and the verifier's rewards:
-    x (B, P), y (B, L), rewards (B,), each prompt's G rows consecutive."""
+    """G completions of each prompt from the current policy and the verifier's rewards: x, y, rewards."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
     y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
-    """Greedy answers to the held-out problems: adds their accuracy and reward to a step's log record;
-    returns the line to print, with a solved problem and two unsolved ones."""
+    """Greedy answers to the held-out problems: adds their scores to a step's log record; returns them."""
     result = evaluate(model, task, held_out(task, args), args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
     return (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"
@@ -421,7 +411,7 @@ def run_rl(args, task, model):
                 if args.objective == "bgpo":
                     loss = bgpo_backward(model, *inputs, clip_eps, args.mc_chunk)  # backward per MC sample
                 else:
-                    loss = naive_loss(model, *inputs, clip_eps)                    # one graph, all n_t samples
+                    loss = naive_loss(model, *inputs, clip_eps)             # one graph over all n_t samples
                     loss.backward()
                     loss = loss.item()
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
@@ -431,7 +421,8 @@ def run_rl(args, task, model):
                 optimizer.step()
                 losses.append(loss)
         groups = rewards.view(-1, G)
-        records.append(r := {"step": step, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+        records.append(r := {"step": step, "reward": rewards.mean().item(),
+                             "reward_std": rewards.std().item(),
                              "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": statistics.fmean(losses) if losses else 0.0,
@@ -454,13 +445,11 @@ def run_rl(args, task, model):
 def show_unmasking(model, task, prompt, args):
     """Print how the greedy sampler writes one answer: at every step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
-    y, commit_steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len,
-                               return_steps=True)
-    states = [task.decode(y[0].masked_fill(commit_steps[0] > s, model.config.mask_id).cpu(), False)
-              for s in range(int(commit_steps.max()) + 1)]
-    print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; "
-          f"_ is MASK, $ the end):\n" + textwrap.fill("  ".join(states), 100, initial_indent="    ",
-                                                      subsequent_indent="    "))
+    y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len, return_steps=True)
+    states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
+                       for s in range(len(y[0])))
+    print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; _ is MASK,"
+          f" $ the end):\n" + textwrap.fill(states, 100, initial_indent="    ", subsequent_indent="    "))
     return task.decode(y[0].cpu())
 
 # -----------------------------------------------------------------------------
@@ -494,8 +483,8 @@ def bench_memory(args, task):
                 times.append(time.perf_counter() - t0)
             row += [memory.peak / 2**20, statistics.median(times)]
         rows.append(row)
-        print(f"{n_t:>4} | {row[1]:>8.1f} {row[3]:>8.1f} {row[1] / row[3]:>10.2f} | {row[2]:>7.3f} {row[4]:>7.3f} "
-              f"{row[4] / row[2]:>10.2f}")
+        print(f"{n_t:>4} | {row[1]:>8.1f} {row[3]:>8.1f} {row[1] / row[3]:>10.2f} | {row[2]:>7.3f} "
+              f"{row[4]:>7.3f} {row[4] / row[2]:>10.2f}")
     return rows
 
 # -----------------------------------------------------------------------------
@@ -511,14 +500,14 @@ def make_parser():
     a = p.add_argument
     # what to run
     a("--task", choices=TASKS, default="countdown", help="the task")
-    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from its SFT checkpoint), or both")
+    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from SFT's checkpoint), both")
     a("--seed", type=int, default=0, help="seed for weights, data and sampling")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     a("--out-dir", default="out", help="where checkpoints and logs go")
     a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS)")
     a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
-    a("--prompt", default=None, help='the run\'s latest model answers this problem, e.g. "15,4,1:64", then exit')
+    a("--prompt", default=None, help='the latest model of the run answers this problem, e.g. "15,4,1:64"')
     # the model
     a("--n-layer", type=int, default=3, help="transformer blocks")
     a("--n-head", type=int, default=4, help="attention heads")
@@ -553,20 +542,22 @@ def check_args(p, args):
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     for ok, message in [
             (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
-            (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}"),
-            (args.group_size >= 2, f"--group-size must be at least 2 (advantages compare), got {args.group_size}"),
+            (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} must be divisible by --n-head "
+                                              f"{args.n_head}"),
+            (args.group_size >= 2, f"--group-size must be at least 2 (A compares), got {args.group_size}"),
             (args.objective == "bgpo" or args.mc_chunk == 1, "--mc-chunk is an option of --objective bgpo"),
             (args.mc_chunk <= args.mc_samples, f"--mc-chunk {args.mc_chunk} is larger than --mc-samples"),
             (args.prompts_per_step % args.minibatches == 0, f"--minibatches {args.minibatches} must divide "
              f"--prompts-per-step {args.prompts_per_step} (a mini-batch is whole groups)"),
             (not args.resume or os.path.isfile(ckpt), f"--resume: no run to resume at {ckpt}"),
             (not args.resume or args.stage != "sft", "--resume continues an RL run: use --stage rl or all"),
-            (args.prompt is None or re.fullmatch(task.prompt_pattern, args.prompt), f"--prompt {args.prompt!r}: "
-             f"not a {args.task} problem (one looks like {task.sample(1, 'test', 0)[0][0]!r})")]:
+            (args.prompt is None or re.fullmatch(task.prompt_pattern, args.prompt), f"--prompt "
+             f"{args.prompt!r}: not a {args.task} problem like {task.sample(1, 'test', 0)[0][0]!r}")]:
         if not ok:
             p.error(message)
     if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        args.device = ("cuda" if torch.cuda.is_available() else
+                       "mps" if torch.backends.mps.is_available() else "cpu")
     try:
         torch.empty(0, device=args.device)
     except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA

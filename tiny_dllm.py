@@ -123,11 +123,16 @@ def mask_by_count(k, L, generator=None):
 def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratified"):
     """n_t masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
     torch's default dtype. Each copy alone is an unbiased one-sample estimate of the ELBO (Eq. 4).
-    "stratified": LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
-                  k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1 spread evenly over 1..L, exactly
-                  k_j tokens masked, weight L/k_j (t = k/L). Each k_j alone is uniform, so every
-                  copy is unbiased; spreading them removes most of the variance between copies.
-                  With M = 1 this is the count form: k ~ U{1..L}, weight L/k.
+    "stratified": after LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
+                  k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1, k_0 shifted by offsets spread over
+                  0..L-1 as evenly as rounding allows (L = 4, M = 8: 0,0,1,2,2,2,3,4), exactly k_j
+                  tokens masked, weight L/k_j (t = k/L). Each k_j alone is uniform, so every copy is
+                  unbiased for every L and M; spreading them removes most of the variance between
+                  copies. With M = 1 this is the count form: k ~ U{1..L}, weight L/k.
+                  LLaDA's get_log_likelihood.py rounds k_0 + j L / M instead (half to even): the
+                  same counts when M divides L (its lengths), but otherwise the pooled law of the
+                  counts can be non-uniform and the estimate biased (L = 4, M = 8: law x L =
+                  [0.5, 1.5, 0.5, 1.5]); test_bgpo.py compares the two laws for every L <= 16.
     "iid":        t_j ~ U(0,1], each token masked with probability t_j, weight 1/t_j."""
     for name, v in (("batch_size", batch_size), ("gen_len", gen_len), ("n_t", n_t)):
         if not isinstance(v, int) or v < 1:
@@ -178,7 +183,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     num_blocks = math.ceil(gen_len / block_len) if 1 <= block_len <= gen_len else 0
     if num_blocks == 0 or not num_blocks <= steps <= gen_len or temperature < 0:
         raise ValueError(f"block_len, steps, temperature: expected 1..{gen_len}, {num_blocks or 1}.."
-                         f"{gen_len} (a step per block at least), >= 0; got {block_len}, {steps}, {temperature}")
+                         f"{gen_len} (a step per block), >= 0; got {block_len}, {steps}, {temperature}")
     B, P = prompts.shape
     completion = torch.full((B, gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
     x = torch.cat([prompts, completion], 1)                              # (B, T)
