@@ -2,7 +2,7 @@
 Every likelihood estimator of lab/estimators.py measured against exact enumeration, on the SFT
 model's own rollouts: the BGPO paper's Fig. 3, in small.
 
-    python -m lab.bench_estimators [--task T] [--plot] [any bgpo.py flag for the model and sampler]
+    python -m lab.bench_estimators [--task T] [--plot] [any bgpo.py or lab flag for the model and sampler]
 
 1. The likelihood table: each estimator's exact bias (against the ELBO and the log random-order
    likelihood) and standard deviation for n = 1..64 draws, with its forward passes.
@@ -15,7 +15,6 @@ It writes out/estimators_TASK.json and, with --plot, the Fig. 3 PNG. The SFT mod
 first if out/ has no matching checkpoint.
 """
 import contextlib
-import functools
 import json
 import math
 import os
@@ -25,10 +24,9 @@ import numpy as np
 import torch
 
 import bgpo
-import lab
-from lab import sampler
 from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_terms, group_advantages,
-                  naive_loss, sample_rollouts)
+                  naive_loss)
+from lab import cli
 from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments,
                             diffucoder_moments, dtrpo_log_likelihood, elbo_from_table, exact_elbo,
                             exact_table, log_probs_under_every_mask, one_step_log_likelihood,
@@ -37,6 +35,8 @@ from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws,
                             trajectory_log_likelihood, trajectory_moments)
 from lab.figures import draw
 from lab.objectives import flat_grad
+from lab.sampler import sample_rollouts
+from tasks import get_task
 
 N_T = (1, 2, 4, 8, 16, 32, 64)
 MAX_PROMPT_MASKED = 14                   # d1's prompt masking is enumerated up to 2^14 prompt masks
@@ -52,7 +52,7 @@ def _rollouts(model, task, prompts, args, seed, remasking="low_confidence"):
     (x, y, commit_steps, A, rewards)."""
     G = lab_batch(task)[1]
     batch = sample_rollouts(model, task, prompts, G, args, torch.Generator().manual_seed(seed),
-                            functools.partial(sampler.generate, remasking=remasking))
+                            remasking=remasking)
     return (batch.x, batch.y, batch.commit_steps, group_advantages(batch.rewards, G).to(args.device),
             batch.rewards)
 
@@ -296,7 +296,7 @@ def policy_gradient_check(model, task, prompts, args):
 
 def estimators_figure(results):
     """The paper's Fig. 3 in small: the gradient's std and the distance of the 8-draw mean from the
-    exact ELBO gradient (its "bias"), against n_t, one line per objective; data for bgpo.draw."""
+    exact ELBO gradient (its "bias"), against n_t, one line per objective; data for lab.figures.draw."""
     panels = [{"title": "gradient std (mean over parameters)", "key": "std"},
               {"title": "distance of the 8-draw mean from the\nexact ELBO gradient (relative L2)",
                "key": "rel_mean_elbo"}]
@@ -350,14 +350,14 @@ def bench_estimators(args, task, model):
         draw(estimators_figure(results), os.path.join(args.out_dir, f"estimators_{task.name}.png"))
 
 def main(argv=None):
-    p = lab.make_parser("python -m lab.bench_estimators",
+    p = cli.make_parser("python -m lab.bench_estimators",
                         "Every likelihood estimator against exact enumeration, on the SFT model's rollouts "
                         "(the SFT model is trained first if --out-dir has none).")
     p.add_argument("--plot", action="store_true",
-                   help="draw the Fig. 3 PNG, if matplotlib is installed (default: %(default)s)")
-    args = bgpo.check_args(p, p.parse_args(argv))
-    task = bgpo.get_task(args.task)
+                   help="draw the Fig. 3 PNG, if matplotlib is installed")
+    args = cli.check_args(p, p.parse_args(argv))
+    task = get_task(args.task)
     return bench_estimators(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.bench_estimators")
+    cli.command_line(main, "python -m lab.bench_estimators")

@@ -4,29 +4,64 @@ with their sample count. bgpo.py --bench-memory has BGPO against the naive objec
 Fig. 1); this adds the exact naive gradient in two passes (naive_two_pass_backward) beside them, on-
 and off-policy, then the field's objectives of lab/objectives.py and, with --plot, draws Fig. 1.
 
-    python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag]
+    python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag] [--bench-repeats N]
 """
 import argparse
+import math
 import os
+import statistics
+import time
 
 import torch
 
 import bgpo
-import lab
-from bgpo import bench_batch, make_model, measure_update
+from bgpo import ActivationMemory, encode, group_advantages, make_model
+from lab import cli
 from lab.figures import draw
 from lab.objectives import OBJECTIVES
+from lab.sampler import Rollouts
+from tasks import get_task
+
+def bench_batch(task, args):
+    """bgpo.bench_memory's batch (a copy): B = G x prompts demonstrations with random rewards, which never
+    tie, so that every row is in the update (memory and time depend on the shapes, not the values); and, for
+    the objectives that read a sampler's trajectory, a random writing order as commit_steps.
+    Returns the batch as Rollouts, its A and the generator."""
+    B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
+    prompts, answers = task.sample(B, "train", generator)
+    x, y = encode(task, prompts, answers, device=args.device)
+    rewards = torch.rand(B, generator=generator)
+    commit = torch.rand(B, task.gen_len, generator=generator).argsort(1).argsort(1).to(args.device)
+    A = group_advantages(rewards, args.group_size).to(args.device)
+    return Rollouts(prompts, x, y, commit, answers, rewards), A, generator
+
+def measure_update(model, optimizer, backward, args):
+    """backward() timed as bgpo.bench_memory times an update (a copy), with an optimizer step after it and
+    the CUDA allocator's peak besides, --bench-repeats times: (peak activation MB, median seconds, CUDA MB
+    or nan)."""
+    cuda, times = args.device.startswith("cuda"), []
+    for _ in range(args.bench_repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with ActivationMemory(model) as memory:
+            optimizer.zero_grad(set_to_none=True)
+            backward()
+            optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
+        times.append(time.perf_counter() - t0)
+    cuda_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else math.nan
+    return memory.peak / 2**20, statistics.median(times), cuda_mb
 
 def memory_figure(rows):
-    """The paper's Fig. 1 in small: bgpo.bench_memory's rows -> activation memory of one update and
-    the step-time ratio against n_t (and the CUDA allocator's peak, when measured)."""
-    n = [r["n_t"] for r in rows]
-    names = (("naive", "naive_mb"), ("BGPO", "bgpo_mb"), ("naive, CUDA allocator", "naive_cuda_mb"),
-             ("BGPO, CUDA allocator", "bgpo_cuda_mb"))
-    memory = [{"label": name, "x": n, "y": [r[key] for r in rows], "style": "o-"}
-              for name, key in names if key in rows[0]]
-    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo_s"] / r["naive_s"] for r in rows],
-              "style": "o-"}]
+    """The paper's Fig. 1 in small: bgpo.bench_memory's rows, [n_t, naive MB, naive s, BGPO MB, BGPO s]
+    each -> the activation memory of one update and the step-time ratio against n_t."""
+    n = [r[0] for r in rows]
+    memory = [{"label": name, "x": n, "y": [r[column] for r in rows], "style": "o-"}
+              for name, column in (("naive", 1), ("BGPO", 3))]
+    ratio = [{"label": "BGPO / naive", "x": n, "y": [r[4] / r[2] for r in rows], "style": "o-"}]
     return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
                         "yscale": "log", "lines": memory},
                        {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log",
@@ -61,7 +96,7 @@ def two_pass_table(args, task):
     return rows
 
 def every_objective_table(args, task):
-    """One update of every objective on bgpo.bench_batch's batch, at its sample counts."""
+    """One update of every objective on bench_batch's batch, at its sample counts."""
     torch.manual_seed(args.seed)
     model = make_model(task, args).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -94,18 +129,18 @@ def every_objective_table(args, task):
     return rows
 
 def parse_args(argv=None):
-    p = lab.make_parser("python -m lab.bench_memory",
+    p = cli.make_parser("python -m lab.bench_memory",
                         "Activation memory and time of one update of every objective.")
     p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it "
                    "(the paper's Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed")
-    args = bgpo.check_args(p, p.parse_args(argv))
+    args = cli.check_args(p, p.parse_args(argv))
     # the lab objectives' options off
     args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None
     return args
 
 def main(argv=None):
     args = parse_args(argv)
-    task = bgpo.get_task(args.task)
+    task = get_task(args.task)
     if args.plot:
         rows = bgpo.bench_memory(args, task)
         os.makedirs(args.out_dir, exist_ok=True)
@@ -114,4 +149,4 @@ def main(argv=None):
     return every_objective_table(args, task)
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.bench_memory")
+    cli.command_line(main, "python -m lab.bench_memory")

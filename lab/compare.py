@@ -9,7 +9,7 @@ import argparse
 import os
 import statistics
 
-import bgpo
+from lab.cli import ArgumentParser
 from lab.figures import curves_figure, draw, read_log
 
 def mean_of_runs(logs):
@@ -23,8 +23,8 @@ def mean_of_runs(logs):
                            if all(k in run.get(s, {}) for run in at)}} for s in steps]
 
 def main(argv=None):
-    p = bgpo.ArgumentParser(prog="python -m lab.compare", description=__doc__.strip().split("\n\n")[0],
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m lab.compare", description=__doc__.strip().split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="RL run folders in --out-dir, or LABEL=RUN,RUN,... for their mean")
     p.add_argument("--out-dir", default="out",

@@ -3,7 +3,7 @@ The control for RL: SFT continued from the SFT model that RL started from, on th
 and SFT's own learning-rate schedule, for as many training seconds as the RL run took (its log's
 seconds; evaluations excluded on both sides). If RL beats this, it did more than more training would.
 
-    python -m lab.control [the RL run's bgpo.py flags]
+    python -m lab.control [the RL run's flags]
 
 Writes control.jsonl (step, seconds, held-out accuracy and reward; 8 evaluations) in the run's folder.
 """
@@ -13,9 +13,22 @@ import time
 
 import torch
 
-import bgpo
-from bgpo import evaluate, held_out, load_checkpoint, load_model, sft_batches, sft_lr_at, sft_path, sft_step
+from bgpo import SFT_LR, held_out, load_checkpoint, load_model, sft_batches, sft_lr_at, sft_path
+from lab import cli
+from lab.sampler import evaluate
 from tasks import get_task
+from tiny_dllm import sft_loss
+
+def sft_step(model, optimizer, x, y, lr, generator):
+    """One step of bgpo.run_sft's loop (a copy): set the learning rate, the SFT loss, backward, clip, step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = sft_loss(model, x, y, generator=generator)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
 
 def run_control(args, task):
     run_dir = os.path.join(args.out_dir, args.run_name)
@@ -23,7 +36,7 @@ def run_control(args, task):
     budget = sum(r.get("seconds", 0.0) for r in records)
     start = step = load_checkpoint(sft_path(args), task)["step"]
     model = load_model(sft_path(args), task, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
     generator, test_prompts = torch.Generator().manual_seed(args.seed + 2), held_out(task, args)
     batches, spent = sft_batches(task, args, generator), 0.0
     result = evaluate(model, task, test_prompts, args)
@@ -55,8 +68,8 @@ def run_control(args, task):
     return curve
 
 def main(argv=None):
-    p = bgpo.make_parser("python -m lab.control", __doc__.strip().split("\n\n")[0])
-    args = bgpo.check_args(p, p.parse_args(argv))
+    p = cli.make_parser("python -m lab.control", __doc__.strip().split("\n\n")[0])
+    args = cli.check_args(p, p.parse_args(argv))
     log = os.path.join(args.out_dir, args.run_name, "log.jsonl")
     if not os.path.isfile(log):
         p.error(f"the control runs for as long as the RL run did: no RL log at {log}")
@@ -65,4 +78,4 @@ def main(argv=None):
     return run_control(args, task)
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.control")
+    cli.command_line(main, "python -m lab.control")

@@ -2,7 +2,7 @@
 dTRPO as published, in small: offline DPO on trajectories ("Trajectory Reduction in Policy
 Optimization of Diffusion LLMs", 2026), from the SFT model's own solved and unsolved rollouts.
 
-    python -m lab.dtrpo_offline [any bgpo.py flag for the model, sampler and evaluation]
+    python -m lab.dtrpo_offline [any bgpo.py or lab flag for the model, sampler and evaluation]
 
 The loss is lab.objectives.dtrpo_dpo_loss: each log-ratio against the frozen SFT model is estimated
 with one sampler step per block. Each epoch prints the exact trajectory margin on the pairs (every
@@ -13,10 +13,12 @@ import copy
 import torch
 
 import bgpo
-import lab
-from bgpo import evaluate, held_out, sample_rollouts
+from bgpo import held_out
+from lab import cli
 from lab.estimators import dtrpo_log_likelihood, trajectory_log_likelihood
 from lab.objectives import dtrpo_dpo_loss
+from lab.sampler import evaluate, sample_rollouts
+from tasks import get_task
 
 def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1, lr=5e-5):
     """dTRPO as published, in small (python -m lab.dtrpo_offline): the SFT model samples G
@@ -83,12 +85,12 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
 
 
 def main(argv=None):
-    p = lab.make_parser("python -m lab.dtrpo_offline",
+    p = cli.make_parser("python -m lab.dtrpo_offline",
                         "dTRPO as published: DPO on the SFT model's solved and unsolved rollouts "
                         "(the SFT model is trained first if --out-dir has none).")
-    args = bgpo.check_args(p, p.parse_args(argv))
-    task = bgpo.get_task(args.task)
+    args = cli.check_args(p, p.parse_args(argv))
+    task = get_task(args.task)
     return offline_dtrpo(args, task, bgpo.sft_model(args, task))
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.dtrpo_offline")
+    cli.command_line(main, "python -m lab.dtrpo_offline")

@@ -11,18 +11,17 @@ on draw j, as d1 does with its mask seeds. On-policy every loss has the gradient
 -mean_b A_b X_b / L, with X the method's estimate of log pi(y_b | x): BGPO's, with the ELBO in place
 of X. Each loss's docstring lists where it departs from its paper; none has a KL term.
 """
-import functools
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
-from bgpo import (MCSamples, Rollouts, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms,
-                  log_ratio, naive_loss, naive_objective, off_policy, ppo_clip, reward_groups)
-from lab import sampler
+from bgpo import (MCSamples, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms, log_ratio,
+                  naive_loss, naive_objective, ppo_clip, reward_groups)
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors,
                             token_log_probs)
+from lab.sampler import Rollouts
 
 PROMPT_MASK_PROB = 0.15  # d1's probability of masking each prompt token
 
@@ -195,9 +194,14 @@ def rows_of(value, rows):
     return None if value is None else value[rows.to(value.device)]
 
 def informative(batch, state, A):
-    """bgpo.rl_backward's first lines: drop the rows with A = 0, scale the others' A by their share."""
+    """As bgpo.run_rl's update: drop the rows with A = 0, scale the others' A by their share of the rows."""
     rows = A != 0
     return rows_of(batch, rows), rows_of(state, rows), A[rows] * (int(rows.sum()) / len(A))
+
+def off_policy(args):
+    """Whether some update of a rollout batch comes after another: then the policy that sampled it is
+    no longer the current one, and the update needs its terms (old_terms) and the PPO clip."""
+    return args.updates_per_batch > 1 or args.minibatches > 1
 
 def clip_of(args):
     return args.clip_eps if off_policy(args) else None   # on-policy the clip is inactive anyway
@@ -306,11 +310,11 @@ def stp_prior(task, prompts):
     grid = task.tokenizer.encode_batch([p.replace("|", "") for p in prompts], task.gen_len, "right")
     return grid.masked_fill(~sudoku_anchors(prompts), task.tokenizer.mask_id)
 
-def lab_sampler(task, prompts, args):
-    """The rollouts' sampler in the lab, for bgpo.sample_rollouts: lab.sampler.generate with --remasking,
-    and STP's anchors and early stop. prompts: the B prompt strings, each repeated G times."""
+def sampler_options(task, prompts, args):
+    """The rollouts' sampler options in lab.rl, for lab.sampler.sample_rollouts: --remasking, and STP's
+    anchors and early stop. prompts: the prompt strings, before each is repeated G times."""
     prior = stp_prior(task, [p for p in prompts for _ in range(args.group_size)]) if args.anchors else None
-    return functools.partial(sampler.generate, remasking=args.remasking, prior=prior, early_stop=args.stp_tau)
+    return {"remasking": args.remasking, "prior": prior, "early_stop": args.stp_tau}
 
 def flat_grad(model, grads=None):
     """The accumulated gradient, or the given per-parameter gradients (torch.autograd.grad's), as one flat

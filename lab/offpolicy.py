@@ -2,13 +2,16 @@
 How far off-policy the paper's second mini-batch is, and how far each objective's gradient there is
 from the exact naive gradient: the measured cause behind the lemma ablation's result.
 
-    python -m lab.offpolicy [the RL run's flags, with --minibatches 2] [--batches N]
+    python -m lab.offpolicy [the RL run's flags] [--from-sft] [--batches N]
 
-From the RL run's checkpoint (its weights and its AdamW state; the SFT model and a fresh AdamW with
---from-sft), for each of N fresh rollout batches: the first mini-batch's update, as the run makes it
-(--objective), then, on the second mini-batch, the log-ratios d_j that update sees and the gradient of
-each objective (the naive one in one graph and in two passes, BGPO, each lemma alone) against the
-naive one: relative difference and cosine. Nothing is written; the run's checkpoint is untouched.
+From an RL run's checkpoint (its weights and its AdamW state; the SFT model and a fresh AdamW with
+--from-sft), for each of N fresh rollout batches split as the paper's off-policy scheme splits them, in two
+mini-batches: the first mini-batch's update, as bgpo.run_rl makes it (--objective), then, on the second
+mini-batch, the log-ratios d_j that update sees and the gradient of each objective (the naive one in one
+graph and in two passes, BGPO, each lemma alone) against the naive one: relative difference and cosine.
+The flags name the run as bgpo.py names it: with none, the run of a default `python bgpo.py`,
+out/countdown_bgpo_nt8_seed0/ckpt.pt; with --minibatches 2 (and the ablation's flags), that run. The
+measurement is two mini-batches whatever --minibatches is. Nothing is written; the checkpoint is untouched.
 """
 import copy
 import statistics
@@ -16,10 +19,11 @@ import statistics
 import torch
 
 import bgpo
-import lab
-from bgpo import (MCSamples, draw_mc_samples, elbo_terms, group_advantages, load_checkpoint,
-                  load_model, ppo_clip, rl_backward, sample_rollouts, sft_path)
+from bgpo import (MCSamples, draw_mc_samples, elbo_terms, group_advantages, load_checkpoint, load_model,
+                  ppo_clip, sft_path)
+from lab import cli
 from lab.objectives import bound_backward, flat_grad, lemma1_bound, lemma2_bound, naive_two_pass_backward
+from lab.sampler import sample_rollouts
 from tasks import get_task
 
 def gradients(model, x, y, mc, old_terms, A, clip_eps):
@@ -52,17 +56,21 @@ def measure(args, task, model, optimizer_state, generator):
     mc = draw_mc_samples(B, task.gen_len, args.mc_samples, generator).to(args.device)
     with torch.no_grad():
         old_terms = elbo_terms(model, batch.x, batch.y, mc)                          # (B, M)
-    first = torch.arange(B, device=A.device) < B // 2
-    keep = ~first & (A != 0)                                  # the second mini-batch's informative rows
-    if not A[first].any() or not keep.any():                  # a mini-batch of tied groups: no update
+    # each mini-batch's informative rows, their A scaled by their share of its rows (as bgpo.run_rl's update)
+    first, second = (rows[A[rows] != 0] for rows in torch.arange(B, device=A.device).chunk(2))
+    if len(first) == 0 or len(second) == 0:                   # a mini-batch of tied groups: no update
         return None
+    inputs = (batch.x[first], batch.y[first], MCSamples(mc.mask[first], mc.weight[first]), old_terms[first],
+              A[first] * (len(first) / (B // 2)), args.clip_eps)
     optimizer.zero_grad(set_to_none=True)
-    rl_backward(model, batch, mc, old_terms, A, args, first)
+    if args.objective == "bgpo":
+        bgpo.bgpo_backward(model, *inputs, args.mc_chunk)
+    else:
+        bgpo.naive_loss(model, *inputs).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    x, y, old_terms = batch.x[keep], batch.y[keep], old_terms[keep]
-    mc = MCSamples(mc.mask[keep], mc.weight[keep])
-    A = A[keep] * (int(keep.sum()) / int((~first).sum()))                            # as rl_backward
+    x, y, old_terms = batch.x[second], batch.y[second], old_terms[second]
+    mc, A = MCSamples(mc.mask[second], mc.weight[second]), A[second] * (len(second) / (B - B // 2))
     with torch.no_grad():
         d = (elbo_terms(model, x, y, mc) - old_terms) / y.shape[1]                  # (B/2, M)
         ratio = d.mean(1).exp()
@@ -77,15 +85,16 @@ def measure(args, task, model, optimizer_state, generator):
     return result
 
 def parse_args(argv=None):
-    p = lab.make_parser("python -m lab.offpolicy",
+    p = cli.make_parser("python -m lab.offpolicy",
                         "How far off-policy the second mini-batch is, and each objective's gradient there.")
-    p.add_argument("--batches", type=bgpo.positive_int, default=5, help="rollout batches measured")
+    p.add_argument("--batches", type=int, default=5, help="rollout batches measured")
     p.add_argument("--from-sft", action="store_true",
                    help="start from the SFT model and a fresh AdamW instead of the RL run's checkpoint")
-    p.set_defaults(minibatches=2)
-    args = bgpo.check_args(p, p.parse_args(argv))
-    if args.minibatches != 2:
-        p.error(f"--minibatches must be 2 here (the paper's off-policy scheme), got {args.minibatches}")
+    args = cli.check_args(p, p.parse_args(argv))
+    if args.batches < 1:
+        p.error(f"--batches must be a positive integer, got {args.batches}")
+    if args.prompts_per_step % 2:
+        p.error(f"--prompts-per-step {args.prompts_per_step} must be even: two mini-batches of whole groups")
     return args
 
 def main(argv=None):
@@ -114,4 +123,4 @@ def main(argv=None):
     return results
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.offpolicy")
+    cli.command_line(main, "python -m lab.offpolicy")

@@ -1,73 +1,77 @@
 """
-The lab's RL loop: bgpo.run_rl's with the field's objectives and the lab's diagnostics:
+The lab's RL loop: bgpo.py's SFT, then a copy of bgpo.run_rl with the field's objectives, the lab's
+sampler and options, and its diagnostics:
 
     python -m lab.rl --objective NAME [any bgpo.py flag] [lab flags]
 
 NAME: bgpo, naive, naive-two-pass, lemma1-only, lemma2-only, diffu-grpo, stp, dtrpo or trajectory.
 
-run_rl below is bgpo.run_rl's loop with its five steps made replaceable, and it shares everything
-else with bgpo.py: the rollouts (bgpo.sample_rollouts), the advantages (bgpo.group_advantages), the
-run's folder, log, evaluations, checkpoints and resume (bgpo.RLLog), and the command line's flags.
-With --objective bgpo or naive and no lab option it draws the same random numbers in the same order.
-What it adds:
+run_rl below copies bgpo.run_rl: the same five steps in the same order, the same log.jsonl, held-out
+evaluations, checkpoints (at every --eval-every) and resume. SFT is bgpo.py's (bgpo.sft_model). With
+--objective bgpo or naive and no lab option it draws the same random numbers in the same order, and sees
+the same rollouts as bgpo.py at every step (a test checks it). What it adds:
 1. The field's objectives (lab/objectives.py), each an Objective (its per-batch draws and its update),
    with their own defaults: d1's and STP's mu = 4 inner updates, d1's clip 0.5, STP's num_t = 3
    (--mc-samples) and early stop 0.75 (--stp-tau).
-2. Options: --remasking random (rollouts whose exact policy gradient is known), --d1-advantages,
-   --no-anchors, --rl-pool N (practise on a fixed pool of N training problems and report the
-   accuracy on them beside the held-out one).
+2. Options: the lab's flags (lab/cli.py: --temperature, --neg-weight, --rl-lr, --rl-warmup, --clip-eps,
+   --updates-per-batch, --gen-steps, --block-len), --remasking random (rollouts whose exact policy
+   gradient is known), --d1-advantages, --no-anchors, --rl-pool N (practise on a fixed pool of N training
+   problems and report the accuracy on them beside the held-out one).
 3. Diagnostics in log.jsonl: the update is built in two parts, the rows with A > 0 and those with
    A < 0 (each part's A scaled by its share of the rows, so they add up to the same step), logged as
    grad_pos, grad_neg and their cosine cos_pos_neg; the policy's first-step prediction entropy; the
-   sampler's forward passes per rollout (rollout_passes). Splitting the update changes the float
-   summation order, so a run here differs from bgpo.py's by rounding, not by what it computes.
+   sampler's forward passes per rollout (rollout_passes); the share of well-formed answers (valid).
+   Splitting the update changes the float summation order, so a run here differs from bgpo.py's by
+   rounding, not by what it computes.
 """
 import dataclasses
+import json
 import math
 import os
+import sys
 import time
+from dataclasses import asdict
 
 import torch
 
 import bgpo
-import lab
-from bgpo import ActivationMemory, RLLog, evaluate, positive_float, positive_int, sample_rollouts
+from bgpo import ActivationMemory, RunError, held_out, load_checkpoint, save_checkpoint
+from lab import cli
 from lab.figures import curves_figure, draw, read_log
-from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, lab_sampler, rows_of
-from tasks import get_task
+from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, rows_of, sampler_options
+from lab.sampler import evaluate, sample_rollouts
+from tasks import MAX_TEXT, ParseError, get_task, parse_expression
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO
+MC_SAMPLES = bgpo.make_parser().get_default("mc_samples")                  # bgpo.py's n_t
 
 def make_parser():
-    p = lab.make_parser("python -m lab.rl",
+    p = cli.make_parser("python -m lab.rl",
                         "bgpo.py's SFT and RL with the field's objectives and the lab's diagnostics.")
     a = p.add_argument
     a("--objective", choices=list(OBJECTIVES), default="bgpo",
       help="BGPO, the naive objective, one of the field's methods (lab/objectives.py), "
            "or the trajectory control")
-    a("--mc-samples", type=positive_int, default=None,
-      help="MC samples n_t per completion, for bgpo, naive and stp (default: 16; STP's num_t: 3)")
-    a("--updates-per-batch", type=positive_int, default=None,
-      help="optimizer steps per rollout batch (mu); 1 = on-policy (default: 1; 4 for diffu-grpo, stp, dtrpo)")
-    a("--clip-eps", type=positive_float, default=None,
-      help="PPO clip, used when --updates-per-batch > 1 (default: 0.2; d1's 0.5 for diffu-grpo)")
+    a("--mc-samples", type=int, default=None,
+      help=f"MC samples n_t per completion, for bgpo, naive and stp (None: {MC_SAMPLES}; STP's num_t: 3)")
+    a("--updates-per-batch", type=int, default=None,
+      help="optimizer steps per rollout batch (mu); 1: on-policy (None: 1; 4 for diffu-grpo, stp, dtrpo)")
+    a("--clip-eps", type=float, default=None,
+      help=f"PPO clip, used when off-policy (None: {bgpo.CLIP_EPS}; d1's 0.5 for diffu-grpo)")
     a("--stp-tau", type=float, default=None,
       help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place "
-           "(default: 0.75 with --objective stp)")
-    a("--no-anchors", action="store_true",
-      help="STP without its spatial pruning (no anchors), for the ablation")
+           "(None: 0.75 with --objective stp)")
+    a("--no-anchors", action="store_true", help="STP without its spatial pruning (anchors), for the ablation")
     a("--d1-advantages", action="store_true",
-      help="diffu-grpo with d1's advantage, reward minus group mean (default: z-scored, Eq. 18)")
+      help="diffu-grpo with d1's advantage, reward minus group mean, instead of Eq. 18's z-score")
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
       help="which positions a rollout step commits: the most confident, or uniformly random ones")
-    a("--rl-pool", type=bgpo.non_negative_int, default=0,
-      help="practise on a fixed pool of N training problems; 0 = fresh problems every step")
-    a("--plot", action="store_true",
-      help="draw the run's curves as curves.png in its folder, if matplotlib is installed")
+    a("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0: fresh ones")
+    a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(default: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random]_uU[_kK][_poolN]_seedS)")
+           "(None: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random][_uU][_kK][_poolN]_seedS)")
     return p
 
 def parse_args(argv=None):
@@ -80,25 +84,50 @@ def parse_args(argv=None):
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
+    if args.rl_pool < 0:
+        p.error(f"--rl-pool must be an integer >= 0, got {args.rl_pool}")
     stp = args.objective == "stp"
-    args.stp_tau = args.stp_tau or (0.75 if stp else None)
-    args.mc_samples = args.mc_samples or (3 if stp else 16)
-    args.updates_per_batch = args.updates_per_batch or (4 if args.objective in FIELD else 1)
-    args.clip_eps = args.clip_eps or (0.5 if args.objective == "diffu-grpo" else 0.2)
+    for name, default in (("stp_tau", 0.75 if stp else None), ("mc_samples", 3 if stp else MC_SAMPLES),
+                          ("updates_per_batch", 4 if args.objective in FIELD else 1),
+                          ("clip_eps", 0.5 if args.objective == "diffu-grpo" else bgpo.CLIP_EPS)):
+        if getattr(args, name) is None:  # the objective's own default
+            setattr(args, name, default)
     args.anchors = stp and not args.no_anchors and args.task == "sudoku"   # the other tasks have no anchors
     if args.objective == "trajectory" and (args.updates_per_batch > 1 or args.minibatches > 1):
         p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1 and --minibatches 1")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
-    # the others draw no masked copies
+    # bgpo.py's run name, with the lab's options; the others draw no masked copies
     estimator = f"_nt{args.mc_samples}" if args.objective in ELBO + ("stp",) else ""
     options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
         ("_d1adv" if args.d1_advantages else "") + ("_random" if args.remasking == "random" else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
-                                      f"_u{args.updates_per_batch}"
+                                      f"{f'_u{args.updates_per_batch}' if args.updates_per_batch > 1 else ''}"
                                       f"{f'_k{args.minibatches}' if args.minibatches > 1 else ''}"
                                       f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}")
-    return bgpo.check_args(p, args)
+    return cli.check_args(p, args)
+
+def valid(task, prompt, completion):
+    """Whether a completion is a well-formed answer, right or wrong: the RL log tracks that share, because
+    a policy that collapses stops writing valid answers before its reward says why. The three rules that
+    tasks.py's Task.valid had: arithmetic, a number (digits only); Countdown, an expression that uses
+    exactly the prompt's numbers, whatever its value; Sudoku, 16 digits in 1-4 that keep the prompt's
+    given cells. The answer is read as the rewards read it: up to the first '$' (EOS), MAX_TEXT at most."""
+    answer = completion[:MAX_TEXT].split("$")[0] if isinstance(completion, str) else ""
+    if task.name == "arithmetic":
+        return answer.isdigit()
+    if task.name == "countdown":
+        try:
+            numbers_text, target_text = prompt.split(":")
+            numbers, _ = sorted(int(s) for s in numbers_text.split(",")), int(target_text)
+            return sorted(parse_expression(answer)[1]) == numbers
+        except (ValueError, AttributeError, ParseError):
+            return False
+    if task.name == "sudoku":
+        answer, cells = answer[:16], prompt.replace("|", "") if isinstance(prompt, str) else ""
+        return (len(answer) == 16 == len(cells) and set(answer) <= set("1234")
+                and all(c in (".", a) for c, a in zip(cells, answer)))
+    raise ValueError(f"task: no rule for {task.name!r}")
 
 # -----------------------------------------------------------------------------
 # The objective with the lab's options, and the update built in two parts
@@ -125,66 +154,105 @@ def split_by_sign(objective, stats):
 # -----------------------------------------------------------------------------
 # The loop
 
+def held_out_eval(model, task, args, record, pool=None):
+    """A copy of bgpo.held_out_eval (with the lab's sampler flags), and the accuracy on the --rl-pool
+    problems: adds them to a step's log record; returns the line to print, with three examples."""
+    result = evaluate(model, task, held_out(task, args), args)
+    record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
+    text = f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})"
+    if pool:
+        record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
+        text += f" | pool accuracy {record['pool_accuracy']:.1%}"
+    return text + "\n" + "\n".join(result["examples"])
+
 def run_rl(args, task, model, pool=None):
-    """bgpo.run_rl with --objective's draws and update, the lab's sampler and advantages, and diagnostics.
-    pool: the fixed training problems of --rl-pool, or None for fresh ones."""
-    stats, G = {}, args.group_size
+    """A copy of bgpo.run_rl with --objective's draws and update, the lab's sampler, advantages and
+    options, and its diagnostics. pool: the fixed training problems of --rl-pool, or None for fresh ones.
+    Returns the records with a held-out evaluation (step 0 is the SFT model)."""
+    stats, G, B = {}, args.group_size, args.prompts_per_step * args.group_size
     objective = split_by_sign(OBJECTIVES[args.objective], stats)
-    advantages = d1_advantages if args.d1_advantages else bgpo.group_advantages
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    log = PoolLog(args, task, model, optimizer, generator, pool)
-    for step in range(log.start, args.rl_steps + 1):
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
+    if args.resume:
+        state = load_checkpoint(ckpt_path, task, model.config)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["rng"])
+        start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
+        records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
+        print(f"resumed {ckpt_path} at step {state['step']}")
+    else:
+        bgpo.show_unmasking(model, task, held_out(task, args)[0], args)
+        start, records = 1, [{"step": 0}]
+        print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool))
+    os.makedirs(run_dir, exist_ok=True)
+    with open(log_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    saved = start - 1
+    for step in range(start, args.rl_steps + 1):
         t0 = time.time()
+        # 1. training problems, fresh or from the pool, and G completions of each with the lab's sampler
         if pool:
             order = torch.randperm(len(pool), generator=generator)
             prompts = [pool[i] for i in order[:args.prompts_per_step]]
         else:
             prompts = task.sample(args.prompts_per_step, "train", generator)[0]
-        batch = sample_rollouts(model, task, prompts, G, args, generator, lab_sampler(task, prompts, args))
-        A = advantages(batch.rewards, G).to(args.device)                                 # (B,)
-        A = torch.where(A < 0, args.neg_weight * A, A)
+        batch = sample_rollouts(model, task, prompts, G, args, generator,
+                                **sampler_options(task, prompts, args))
+        # 2. the verifier's rewards (batch.rewards) -> 3. advantages (Eq. 18, or d1's)
+        A = (d1_advantages if args.d1_advantages else bgpo.group_advantages)(batch.rewards, G).to(args.device)
+        A = torch.where(A < 0, args.neg_weight * A, A)                              # (B,)
+        # 4. the objective's draws, fixed for the batch (BGPO's: n_t masked copies, and old_terms off-policy)
         state = objective.prepare(model, batch, args, generator)
+        # 5. the updates: --updates-per-batch passes, each one update per mini-batch of whole groups
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * (min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0)
-        minibatch = torch.arange(len(A), device=A.device) * args.minibatches // len(A)     # (B,) 0..K-1
+        minibatch = torch.arange(B, device=A.device) * args.minibatches // B               # (B,) 0..K-1
         losses = []
         with ActivationMemory(model) as memory:
             for inner in range(args.updates_per_batch):
                 for k in range(args.minibatches):
                     rows = minibatch == k
-                    optimizer.zero_grad(set_to_none=True)
-                    if not A[rows].any():
+                    if not A[rows].any():  # every group tied: no signal; an Adam step would move the weights
                         continue
-                    losses.append(objective.backward(model, rows_of(batch, rows), rows_of(state, rows),
-                                                     A[rows], args, inner))
-                    if not math.isfinite(losses[-1]):
-                        raise log.diverged(step, losses[-1])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = objective.backward(model, rows_of(batch, rows), rows_of(state, rows), A[rows],
+                                              args, inner)
+                    if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
+                        raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
+                                       + (f"{ckpt_path} (step {saved})" if saved else "none yet"))
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     optimizer.step()
-        loss = sum(losses) / len(losses) if losses else 0.0
-        fields = {"entropy": prediction_entropy(model, batch.x, task.gen_len),
-                  "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,
-                  "rollout_passes": int(batch.commit_steps.max()) + 1}
-        stats.clear()  # (the zeros stand when every group tied: no update)
-        text = f"entropy {fields['entropy']:.2f} | cos(g+, g-) {fields['cos_pos_neg']:+.2f}"
-        log.step(step, batch, loss, memory.peak, time.time() - t0, fields, text)
-    return log.history
-
-class PoolLog(RLLog):
-    """bgpo.RLLog, with the accuracy on the practice pool at each evaluation (--rl-pool)."""
-
-    def __init__(self, args, task, model, optimizer, generator, pool):
-        self.pool = pool
-        super().__init__(args, task, model, optimizer, generator)
-
-    def evaluate(self, record):
-        text = super().evaluate(record)
-        if not self.pool:
-            return text
-        record["pool_accuracy"] = evaluate(self.model, self.task, self.pool[:self.args.eval_size], self.args,
-                                           n_show=0)["accuracy"]
-        return text + f" | pool accuracy {record['pool_accuracy']:.1%}"
+                    losses.append(loss)
+        rewards, groups = batch.rewards, batch.rewards.view(-1, G)
+        records.append(r := {"step": step, "reward": rewards.mean().item(),
+                             "reward_std": rewards.std().item(),
+                             "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
+                             "solved": (rewards == 1.0).double().mean().item(),
+                             "valid": sum(map(valid, [task] * B, batch.prompts, batch.texts)) / B,
+                             "loss": sum(losses) / len(losses) if losses else 0.0,
+                             "activation_mb": memory.peak / 2**20,
+                             "entropy": prediction_entropy(model, batch.x, task.gen_len),
+                             "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,  # 0: no step
+                             "rollout_passes": int(batch.commit_steps.max()) + 1,
+                             "seconds": time.time() - t0})
+        stats.clear()
+        line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
+                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
+                f"{r['seconds']:.2f} s | entropy {r['entropy']:.2f} | cos(g+, g-) {r['cos_pos_neg']:+.2f}")
+        if step % args.eval_every == 0 or step == args.rl_steps:
+            line += " | " + held_out_eval(model, task, args, r, pool)
+        print(line)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line
+            save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
+                            config=asdict(model.config), step=step, model=model.state_dict(),
+                            optimizer=optimizer.state_dict(), rng=generator.get_state())
+            saved = step
+    return [r for r in records if "accuracy" in r]
 
 @torch.no_grad()
 def prediction_entropy(model, prompts, gen_len):
@@ -196,14 +264,34 @@ def prediction_entropy(model, prompts, gen_len):
     return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
 
 def main(argv=None):
+    """bgpo.main's steps with the lab's loop: --bench-memory and --prompt as bgpo.py's, else SFT (bgpo.py's),
+    run_rl and a summary."""
     args = parse_args(argv)
-    pool = get_task(args.task).sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
-    history = bgpo.run(args, lambda args, task, model: run_rl(args, task, model, pool))
-    if args.plot and args.stage != "sft":
-        run_dir = os.path.join(args.out_dir, args.run_name)
-        figure = curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))})
-        draw(figure, os.path.join(run_dir, "curves.png"))
+    task, t0 = get_task(args.task), time.time()
+    if args.bench_memory:
+        return bgpo.bench_memory(args, task)
+    if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's
+        path = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
+        path = path if os.path.isfile(path) else bgpo.sft_path(args)
+        answer = bgpo.show_unmasking(bgpo.load_model(path, task, args), task, args.prompt, args)
+        print(f"{args.prompt} -> {answer} -> reward {task.reward(args.prompt, answer):.2f} ({path})")
+        return answer
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
+    print(f"task {task.name} | device {args.device} | seed {args.seed}")
+    model = bgpo.sft_model(args, task)
+    if args.stage == "sft":
+        return model
+    pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
+    history = run_rl(args, task, model, pool)
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
+          f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
+          f"files: {bgpo.sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")
+    if args.plot:
+        draw(curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))}),
+             os.path.join(run_dir, "curves.png"))
     return history
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.rl")
+    cli.command_line(main, "python -m lab.rl")

@@ -1,5 +1,6 @@
 """
-The lab's sampler: tiny_dllm.generate (LLaDA's) with the options the lab's experiments need.
+The lab's sampler: tiny_dllm.generate (LLaDA's) with the options the lab's experiments need, and the
+lab's rollouts and greedy evaluation, which use it.
 
 - remasking="random": commit positions of the block chosen uniformly instead of the most confident
   ones (LLaDA's other option). The order then does not depend on the model, and with one token per
@@ -14,10 +15,16 @@ The lab's sampler: tiny_dllm.generate (LLaDA's) with the options the lab's exper
     with its sampled token, all committed at that last step.
 With none of them it gives generate's completions, draw for draw (a test checks it). The four helpers
 below copy tiny_dllm.generate's logic: its argument checks, its token schedule and its sampling.
+sample_rollouts and evaluate copy bgpo.py's, with the lab's --temperature, --gen-steps and --block-len
+and the sampler's options; with the tutorial's settings they give bgpo.py's rollouts and evaluations
+(a test checks it).
 """
 import math
+from dataclasses import dataclass
 
 import torch
+
+from bgpo import encode
 
 def steps_per_block(steps, num_blocks):
     return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
@@ -102,3 +109,45 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
         committed_at[rest[:, P:]] = step
     completions = x[:, P:]
     return (completions, committed_at) if return_steps else completions
+
+# -----------------------------------------------------------------------------
+# The lab's rollouts and greedy evaluation
+
+@dataclass
+class Rollouts:
+    """B = prompts x G completions from the policy, with what the sampler and the verifier said."""
+    prompts: list               # B prompt strings, each repeated G times in a row
+    x: torch.Tensor             # (B, P) prompt tokens
+    y: torch.Tensor             # (B, L) completions
+    commit_steps: torch.Tensor  # (B, L) the sampler step that wrote each token
+    texts: list                 # B decoded completions
+    rewards: torch.Tensor       # (B,)
+
+@torch.no_grad()
+def sample_rollouts(model, task, prompts, group_size, args, generator, **options):
+    """A copy of bgpo.sample_rollouts: G = group_size completions of each prompt from the current policy
+    at --temperature (with --gen-steps, --block-len and generate's options: remasking, prior, early_stop),
+    and the verifier's rewards, kept with their commit steps and texts as Rollouts."""
+    prompts = [p for p in prompts for _ in range(group_size)]
+    x = encode(task, prompts, device=args.device)
+    y, commit_steps = generate(model, x, task.gen_len, steps=args.gen_steps, block_len=args.block_len,
+                               temperature=args.temperature, generator=generator, return_steps=True,
+                               **options)
+    texts = [task.decode(ids) for ids in y.cpu()]
+    rewards = torch.tensor([task.reward(p, t) for p, t in zip(prompts, texts)])
+    return Rollouts(prompts, x, y, commit_steps, texts, rewards)
+
+@torch.no_grad()
+def evaluate(model, task, prompts, args, n_show=3):
+    """A copy of bgpo.evaluate, with --gen-steps and --block-len: greedy decoding, exact-solve rate
+    (reward 1), mean reward, and n_show prompt -> completion lines (the first solved, if any, and the first
+    unsolved ones)."""
+    batch_size = len(prompts) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
+    texts = [task.decode(y) for i in range(0, len(prompts), batch_size)
+             for y in generate(model, encode(task, prompts[i:i + batch_size], device=args.device),
+                               task.gen_len, steps=args.gen_steps, block_len=args.block_len).cpu()]
+    rewards = [task.reward(prompt, text) for prompt, text in zip(prompts, texts)]
+    solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
+    shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
+    return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
+            "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}

@@ -3,19 +3,19 @@ One run's two stages in one figure: the SFT curve (validation and held-out greed
 training seconds), then, from the SFT model it kept, the RL run's held-out accuracy and, if it was
 run (python -m lab.control), the control's: SFT continued for the same time.
 
-    python -m lab.stages [the run's bgpo.py flags] [--png stages.png]
+    python -m lab.stages [the run's flags] [--png stages.png]
 """
 import os
 
 import bgpo
+from lab import cli
 from lab.figures import draw, read_log, stages_figure
 from tasks import get_task
 
 def main(argv=None):
-    p = bgpo.make_parser("python -m lab.stages", __doc__.strip().split("\n\n")[0])
-    p.add_argument("--png", default="stages.png",
-                   help="the figure's file name in the run's folder (default: %(default)s)")
-    args = bgpo.check_args(p, p.parse_args(argv))
+    p = cli.make_parser("python -m lab.stages", __doc__.strip().split("\n\n")[0])
+    p.add_argument("--png", default="stages.png", help="the figure's file name in the run's folder")
+    args = cli.check_args(p, p.parse_args(argv))
     run_dir = os.path.join(args.out_dir, args.run_name)
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         p.error(f"no RL log at {os.path.join(run_dir, 'log.jsonl')}")
@@ -26,4 +26,4 @@ def main(argv=None):
     return draw({**figure, "width": 6.4}, os.path.join(run_dir, args.png))
 
 if __name__ == "__main__":
-    bgpo.command_line(main, "python -m lab.stages")
+    cli.command_line(main, "python -m lab.stages")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bgpo
-from lab import (bench_estimators, bench_memory, compare, control, dtrpo_offline, figures, offpolicy, rl,
-                 stages)
+from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, offpolicy, rl,
+                 sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 
@@ -43,7 +43,7 @@ def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_
     for objective in ("naive", "naive-two-pass", "lemma1-only", "lemma2-only", "bgpo"):
         rl.main(tiny_argv(shared_out, "--objective", objective, "--sft-steps", "30", "--minibatches", "2",
                           "--rl-lr", "1e-2"))
-        path = shared_out / f"arithmetic_{objective}_nt4_u1_k2_seed0" / "ckpt.pt"
+        path = shared_out / f"arithmetic_{objective}_nt4_k2_seed0" / "ckpt.pt"
         state = torch.load(path, weights_only=True)["model"]
         weights[objective] = torch.cat([w.flatten() for w in state.values()])
     gap = {name: (w - weights["naive"]).abs().max().item() for name, w in weights.items()}
@@ -52,43 +52,46 @@ def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_
 
 def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_the_naive_one(tmp_path,
                                                                                              monkeypatch):
+    """From the checkpoint of the bgpo.py run its flags name (with none: the default run's), and from its SFT
+    model with a fresh AdamW."""
     monkeypatch.setattr(offpolicy, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
-    rl.main(tiny_argv(tmp_path, "--sft-steps", "30", "--stage", "sft"))             # the lab's defaults
-    results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", "--from-sft", "--batches", "2",
-                                       "--rl-lr", "1e-2"))
-    assert len(results) == 2
-    for r in results:
-        assert r["max |d|"] > 1e-4 and r["naive (two passes)"][0] < 1e-10, r
-        assert r["BGPO"][0] > 1e-6 and r["BGPO"][1] < 1 - 1e-12, r
+    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30"))
+    for start in ([], ["--from-sft"]):
+        results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", *start, "--batches", "2",
+                                           "--rl-lr", "1e-2"))
+        assert len(results) == 2
+        for r in results:
+            assert r["max |d|"] > 1e-4 and r["naive (two passes)"][0] < 1e-10, (start, r)
+            assert r["BGPO"][0] > 1e-6 and r["BGPO"][1] < 1 - 1e-12, (start, r)
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
     rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
-    records = figures.read_log(tmp_path / "arithmetic_trajectory_random_u1_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / "arithmetic_trajectory_random_seed0" / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
 
 def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_path, monkeypatch):
-    real, rollout_prompts = bgpo.encode, []
+    real, rollout_prompts = sampler.encode, []
 
     def recording_encode(task, prompts, answers=None, device="cpu"):
         if len(prompts) == 2 * 4:                                        # prompts-per-step x group-size
             rollout_prompts.extend(prompts)
         return real(task, prompts, answers, device)
 
-    monkeypatch.setattr(bgpo, "encode", recording_encode)
+    monkeypatch.setattr(sampler, "encode", recording_encode)
     rl.main(tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5"))
     pool, _ = get_task("arithmetic").sample(3, "train", 0 + 2)           # seed + 2, as run_rl draws it
     assert len(rollout_prompts) == 3 * 8 and set(rollout_prompts) <= set(pool)
-    records = figures.read_log(tmp_path / "arithmetic_bgpo_nt4_u1_pool3_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / "arithmetic_bgpo_nt4_pool3_seed0" / "log.jsonl")
     assert [r["step"] for r in records if "pool_accuracy" in r] == [0, 1, 2, 3]     # with every evaluation
     assert all(0.0 <= r["pool_accuracy"] <= 1.0 for r in records if "pool_accuracy" in r)
 
 def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys):
     bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
-    compare.main(["arithmetic_bgpo_nt4_u1_seed0", "--out-dir", str(tmp_path)])
+    compare.main(["arithmetic_bgpo_nt4_seed0", "--out-dir", str(tmp_path)])
     assert "compare.png" in capsys.readouterr().out
-    for runs in (["mean=arithmetic_bgpo_nt4_u1_seed0,no_such_run"], ["no_such_run"]):
+    for runs in (["mean=arithmetic_bgpo_nt4_seed0,no_such_run"], ["no_such_run"]):
         with pytest.raises(SystemExit) as e:
             compare.main(runs + ["--out-dir", str(tmp_path)])
         err = capsys.readouterr().err
@@ -141,7 +144,8 @@ def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_pa
         "one batch of n copies")
 
 def test_memory_figure_holds_the_lines_it_draws():
-    rows = [{"n_t": n, "naive_mb": 10.0 * n, "bgpo_mb": 10.0, "naive_s": 1.0, "bgpo_s": 0.5} for n in (1, 2)]
+    # bgpo.bench_memory's rows: n_t, naive MB, naive s, BGPO MB, BGPO s
+    rows = [[n, 10.0 * n, 1.0, 10.0, 0.5] for n in (1, 2)]
     memory, ratio = bench_memory.memory_figure(rows)["panels"]
     assert ([line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]]
             and ratio["lines"][0]["y"] == [0.5, 0.5])
@@ -149,7 +153,7 @@ def test_memory_figure_holds_the_lines_it_draws():
 def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(tmp_path, capsys):
     """An SFT model of 10 steps solves no addition: no pair for DPO, one line, exit code 2."""
     with pytest.raises(SystemExit) as e:
-        bgpo.command_line(
+        cli.command_line(
             lambda: dtrpo_offline.main(tiny_argv(tmp_path, "--eval-size", "4", "--sft-steps", "10")),
             "lab.dtrpo_offline")
     err = capsys.readouterr().err
@@ -175,7 +179,7 @@ def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_pa
 
 def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, capsys):
     bgpo.main(tiny_argv(tmp_path))
-    run = tmp_path / "arithmetic_bgpo_nt4_u1_seed0"
+    run = tmp_path / "arithmetic_bgpo_nt4_seed0"
     rl_log = figures.read_log(run / "log.jsonl")
     curve = control.main(tiny_argv(tmp_path))
     assert figures.read_log(run / "control.jsonl") == curve
@@ -195,6 +199,19 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
         command.main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--out-dir" in out and "(default:" in out
+    assert command is compare or "evaluation is greedy (default: 1.3)" in " ".join(out.split()), (
+        "the lab's flags, with bgpo.py's constants as defaults")
+
+@pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
+                                     offpolicy, stages])
+@pytest.mark.parametrize("extra", [["--temperature", "-1"], ["--sft-lr", "1e-3"], ["--rl-steps", "0"]])
+def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, command, extra):
+    """--sft-lr is no flag (SFT is bgpo.py's, with its constants); bgpo.check_args refuses --rl-steps 0."""
+    argv = ["some_run", *extra] if command is compare else tiny_argv(tmp_path, *extra)
+    with pytest.raises(SystemExit) as e:
+        command.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error:" in err, err
 
 @pytest.mark.parametrize("extra, message", [
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
@@ -211,6 +228,15 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     (["--remasking", "left"], "invalid choice"),
     (["--minibatches", "3"], "--minibatches 3 must divide --prompts-per-step 2"),
     (["--objective", "naive-two-pass", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--rl-lr", "0"], "--rl-lr must be positive"),
+    (["--clip-eps", "-1"], "--clip-eps must be positive"),
+    (["--rl-warmup", "-1"], "--rl-warmup must be an integer >= 0"),
+    (["--updates-per-batch", "0"], "--updates-per-batch must be a positive integer"),
+    (["--block-len", "5"], "--block-len must be in 1..4"),
+    (["--block-len", "2", "--gen-steps", "1"], "--gen-steps must be in 2..4"),
+    (["--bench-repeats", "0"], "--bench-repeats must be a positive integer"),
+    (["--mc-samples", "0"], "--mc-samples must be a positive integer"),
 ])
 def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:

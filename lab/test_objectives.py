@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import bgpo
-from bgpo import Rollouts, bgpo_backward
-from lab import objectives, rl
+from bgpo import bgpo_backward
+from lab import control, objectives, rl, sampler
 from lab.estimators import (dtrpo_log_likelihood, one_step_log_likelihood, stp_token_log_likelihood,
                             trajectory_log_likelihood)
 from lab.radd import generate_radd
+from lab.sampler import Rollouts
 from lab.sampler import generate as lab_generate
-from lab.testing import grads, on_policy_setup, random_batch, report, tiny_model
+from lab.testing import grads, on_policy_setup, random_batch, read_log, report, tiny_argv, tiny_model
+from tasks import get_task
 from tiny_dllm import generate
 
 def lab_args(**settings):
@@ -226,18 +228,17 @@ def test_radd_cached_calls_per_sequence_match_the_expected_count(n_steps):
 @pytest.mark.parametrize("minibatches", ["1", "2"])
 def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_updates(tmp_path, monkeypatch,
                                                                                     minibatches):
-    """lab.rl's loop is bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no lab
-    option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
+    """lab.rl's loop is a copy of bgpo.run_rl's with its steps made replaceable: with --objective bgpo and no
+    lab option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
     (in one) by float rounding only, on-policy and with the paper's two mini-batches."""
-    from lab.testing import read_log, tiny_argv
     # a tiny model's groups all tie: fixed advantages of both signs make every step update
     monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
-    same = ["--demos", "500", "--temperature", "1.3", "--neg-weight", "0.5", "--rl-lr", "1e-2",
-            "--rl-steps", "3", "--minibatches", minibatches]
+    same = ["--rl-steps", "3", "--minibatches", minibatches]
     bgpo.main(tiny_argv(tmp_path, *same, "--run-name", "tutorial"))
     rl.main(tiny_argv(tmp_path, *same, "--run-name", "lab", "--stage", "rl"))
     logs = [read_log(tmp_path / name / "log.jsonl") for name in ("tutorial", "lab")]
-    for key in ("reward", "solved", "valid", "mixed_groups", "accuracy"):
+    assert [r["step"] for r in logs[1]] == [0, 1, 2, 3]
+    for key in ("reward", "reward_std", "solved", "mixed_groups", "accuracy", "eval_reward"):
         assert [r.get(key) for r in logs[0]] == [r.get(key) for r in logs[1]], key
     weights = [torch.load(tmp_path / name / "ckpt.pt", weights_only=True)["model"]
                for name in ("tutorial", "lab")]
@@ -252,10 +253,57 @@ def test_the_lab_sampler_without_its_options_is_tiny_dllm_generate_draw_for_draw
     completions and commit steps, from the same generator state, with blocks and uneven steps per block."""
     model, (x, _) = tiny_model(max_len=3 + 7), random_batch(B=6, P=3, L=7)
     for temperature, steps, block_len in ((0.0, None, None), (1.0, 7, None), (1.3, 5, 3), (1.0, 3, 3)):
-        runs = [sampler(model, x, 7, steps=steps, block_len=block_len, temperature=temperature,
-                        generator=torch.Generator().manual_seed(0), return_steps=True)
-                for sampler in (generate, lab_generate)]
+        runs = [sample(model, x, 7, steps=steps, block_len=block_len, temperature=temperature,
+                       generator=torch.Generator().manual_seed(0), return_steps=True)
+                for sample in (generate, lab_generate)]
         assert all(torch.equal(a, b) for a, b in zip(*runs)), (temperature, steps, block_len)
+
+def test_the_lab_rollouts_and_evaluation_with_its_default_flags_are_bgpo_pys(tmp_path):
+    """lab.sampler's sample_rollouts and evaluate copy bgpo.py's: with the lab's defaults (bgpo.py's
+    constants, no sampler option) they give the same completions, rewards and scores."""
+    args, lab_args, task = bgpo.parse_args(tiny_argv(tmp_path)), rl.parse_args(tiny_argv(tmp_path)), \
+        get_task("arithmetic")
+    torch.manual_seed(0)
+    model = bgpo.make_model(task, args)
+    prompts = task.sample(3, "train", 0)[0]
+    x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, torch.Generator().manual_seed(1))
+    options = objectives.sampler_options(task, prompts, lab_args)
+    batch = sampler.sample_rollouts(model, task, prompts, lab_args.group_size, lab_args,
+                                    torch.Generator().manual_seed(1), **options)
+    assert torch.equal(x, batch.x) and torch.equal(y, batch.y) and torch.equal(rewards, batch.rewards)
+    held_out = bgpo.held_out(task, args)
+    assert bgpo.evaluate(model, task, held_out, args) == sampler.evaluate(model, task, held_out, lab_args)
+
+def test_the_controls_sft_step_is_a_step_of_bgpo_run_sft(tmp_path):
+    """lab.control's sft_step copies bgpo.run_sft's loop body: two of its steps from the same start give
+    the weights that run_sft keeps after two steps."""
+    args, task = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2")), \
+        get_task("arithmetic")
+    kept = bgpo.run_sft(args, task)
+    torch.manual_seed(args.seed)
+    model = bgpo.make_model(task, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.SFT_LR, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = bgpo.sft_batches(task, args, generator)
+    for step in (1, 2):
+        control.sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
+    for (name, a), b in zip(kept.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: {report(a, b)}"
+
+@pytest.mark.parametrize("task_name, prompt, completion, valid", [
+    ("countdown", "15,4,1:64", "15*4+1", True),             # right numbers, wrong value: still valid
+    ("countdown", "15,4,1:64", "4+11+5", False),            # numbers not in the prompt: the collapse
+    ("countdown", "15,4,1:64", "15*4", False),              # a number dropped
+    ("countdown", "15,4,1:64", "((((", False),
+    ("countdown", "15,4,1:64", "15*4+1$$$$", True),         # the answer ends at EOS
+    ("arithmetic", "12+30=", "41", True),
+    ("arithmetic", "12+30=", "4+1", False),
+    ("sudoku", "12.4|3.1.|....|..3.", "1234341221434132", True),   # keeps the givens (not a solution)
+    ("sudoku", "12.4|3.1.|....|..3.", "2134341221434132", False),  # changes a given
+    ("sudoku", "12.4|3.1.|....|..3.", "123434122143413", False),   # 15 cells
+])
+def test_valid_says_whether_an_answer_is_well_formed(task_name, prompt, completion, valid):
+    assert rl.valid(get_task(task_name), prompt, completion) is valid
 
 # -----------------------------------------------------------------------------
 # What BGPO's bound buys: the exact naive gradient in one sample's memory, and each lemma alone

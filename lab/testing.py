@@ -42,9 +42,9 @@ def on_policy_setup(M=6, seed=0):
     return model, x, y, mc, old_terms, A
 
 def tiny_argv(tmp_path, *extra):
-    """Command-line flags for a model and run small enough to train in seconds."""
+    """Command-line flags (bgpo.py's, so that bgpo.main and every lab command take them) for a model and run
+    small enough to train in seconds."""
     return ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-            "--sft-steps", "100", "--sft-lr", "3e-3", "--batch-size", "32", "--prompts-per-step", "2",
-            "--group-size", "4", "--mc-samples", "4", "--rl-steps", "2", "--eval-size", "8",
-            "--eval-every", "1", "--save-every", "1", "--val-size", "16", "--sft-eval-every", "50",
-            "--out-dir", str(tmp_path), "--device", "cpu", *extra]
+            "--sft-steps", "100", "--prompts-per-step", "2", "--group-size", "4", "--mc-samples", "4",
+            "--rl-steps", "2", "--eval-size", "8", "--eval-every", "1", "--val-size", "16",
+            "--sft-eval-every", "50", "--out-dir", str(tmp_path), "--device", "cpu", *extra]
