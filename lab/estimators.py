@@ -258,7 +258,7 @@ def subset_masks(L, device=None):
     return (bits[:, None] >> torch.arange(L, device=device)) & 1 == 1
 
 
-def log_probs_under_every_mask(model, prompt, completion, chunk=4096):
+def log_probs_under_every_mask(model, prompt, completion, chunk=1024):
     """The table behind every exact quantity, for one prompt (P,) and completion (L,): masks (N, L),
     every non-empty subset S of the positions (row r is bitmask r + 1, N = 2^L - 1), and logp (N, L)
     with logp[S, i] = log p(y^i | y with S masked, x). Differentiable; chunk bounds the rows per forward."""

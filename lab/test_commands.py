@@ -109,7 +109,7 @@ def test_bench_estimators_runs_from_the_command_line_and_its_exact_columns_agree
     # one row: the pipeline, not the numbers
     monkeypatch.setattr(bench_estimators, "N_T", (1,))
     monkeypatch.setattr(bench_estimators, "REPEATS", 2)
-    monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (4, 2))
+    monkeypatch.setattr(bench_estimators, "lab_batch", lambda task: (3, 2))
     # d1's 2^12 prompt masks: tested elsewhere
     monkeypatch.setattr(bench_estimators, "MAX_PROMPT_MASKED", 0)
     bench_estimators.main(tiny_argv(tmp_path, "--task", "countdown", "--sft-steps", "20"))  # SFT first

@@ -108,12 +108,14 @@ def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_ma
     anti_mean, anti_var = estimators.antithetic_moments(a, L)
     for name, mean in (("iid", iid_mean), ("stratified", strat_mean), ("antithetic", anti_mean)):
         assert abs(mean - elbo) < 1e-10, f"{name}: exact mean {mean:.12f} vs ELBO {elbo:.12f}"
-    N, generator = 5000, torch.Generator().manual_seed(n_t)
+    N, generator, strat, anti = 1000, torch.Generator().manual_seed(n_t), [], []
     with torch.no_grad():
-        mc = draw_mc_samples(N, L, n_t, generator)
-        strat = elbo_terms(model, x.expand(N, -1), y.expand(N, -1), mc).mean(1)
-        anti = estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1),
-                                           y.expand(N, -1), generator=generator)
+        for _ in range(5):  # 5,000 draws, 1,000 at a time (a batch of that size runs faster per row)
+            mc = draw_mc_samples(N, L, n_t, generator)
+            strat.append(elbo_terms(model, x.expand(N, -1), y.expand(N, -1), mc).mean(1))
+            anti.append(estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1),
+                                                    y.expand(N, -1), generator=generator))
+    strat, anti = torch.cat(strat), torch.cat(anti)
     assert_moments(strat, strat_mean, strat_var, f"stratified, n_t={n_t}")
     assert_moments(anti, anti_mean, anti_var / n_t, f"antithetic, {n_t} pairs")
 
@@ -138,7 +140,7 @@ def test_antithetic_pair_variance_against_two_independent_draws_and_stratified_t
     assert (ratios < 0.5).all()
 
 def test_coupled_one_step_trajectory_and_stp_estimators_have_the_exact_moments_enumeration_gives():
-    model, L, N = tiny_model(max_len=14), 6, 8000
+    model, L, N = tiny_model(max_len=14), 6, 1000   # 8 x N draws, N at a time (faster per row)
     x, y = random_batch(B=2, P=4, L=L)
     commit = generate(model, x, L, steps=4, block_len=3, temperature=1.0,
                       generator=torch.Generator().manual_seed(0), return_steps=True)[1]
@@ -148,21 +150,24 @@ def test_coupled_one_step_trajectory_and_stp_estimators_have_the_exact_moments_e
     masks, logp, a, full = estimators.exact_table(model, x[0], y[0])
     many = lambda t: t[:1].expand(N, -1)
     generator = torch.Generator().manual_seed(1)
+    eight = lambda draw: torch.cat([draw() for _ in range(8)])
     with torch.no_grad():
         # one forward per step
         traj = estimators.trajectory_log_likelihood(model, x[:1], y[:1], commit[:1]).item()
         cases = {
             "DiffuCoder": (estimators.diffucoder_moments(a, full[-1].sum(), L),
-                           estimators.diffucoder_coupled(model, many(x), many(y), generator)),
+                           eight(lambda: estimators.diffucoder_coupled(model, many(x), many(y), generator))),
             "one-step, p=0.15": (
                 [m[0] for m in estimators.one_step_prompt_mask_moments(model, x[0], y[:1], 0.15)],
-                estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, generator)),
+                eight(lambda: estimators.one_step_log_likelihood(model, many(x), many(y), 0.15, generator))),
             "STP": (estimators.count_form_moments(estimators.size_stats(a, L, ~anchors)),
-                    estimators.stp_log_likelihood(model, many(x), many(y), anchors.expand(N, -1), generator))}
+                    eight(lambda: estimators.stp_log_likelihood(model, many(x), many(y),
+                                                                anchors.expand(N, -1), generator)))}
         for block_len in (3, 6):
             cases[f"dTRPO, blocks of {block_len}"] = (
                 estimators.trajectory_moments(full, commit[0], block_len),
-                estimators.dtrpo_log_likelihood(model, many(x), many(y), many(commit), block_len, generator))
+                eight(lambda: estimators.dtrpo_log_likelihood(model, many(x), many(y), many(commit),
+                                                              block_len, generator)))
     for name, ((mean, var), draws) in cases.items():
         assert_moments(draws, mean, var, name)
     for block_len in (3, 6):
