@@ -40,6 +40,7 @@ import weakref
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from tasks import TASKS, get_task
@@ -222,6 +223,33 @@ TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
 
+# Data parallel under torchrun: args.world processes, each with its share of every batch. With one process
+# (plain python) these two helpers do nothing and the run is the same, number for number.
+
+def everyone(obj, args):
+    """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
+    if args.world == 1:
+        return [obj]
+    gathered = [None] * args.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+def average_gradients(model, args, *stats):
+    """Average .grad and stats (numbers) over the processes, in one all_reduce of one flat buffer. Called
+    once per optimizer step, after the last backward: BGPO's backward per MC sample accumulates .grad as
+    micro-batches do, and the average of the sums is the sum of the averages, so syncing every sample
+    (as DDP does unless told no_sync) would send n_t times the bytes for the same result."""
+    if args.world == 1:
+        return stats
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in params]
+                     + [torch.tensor(stats, dtype=params[0].dtype, device=params[0].device)])
+    dist.all_reduce(flat)   # the sum over processes
+    *grads, stats = (flat / args.world).split([p.numel() for p in params] + [len(stats)])
+    for p, grad in zip(params, grads):
+        p.grad = grad.view_as(p)
+    return stats.tolist()
+
 def encode(task, prompts, answers=None, device="cpu"):
     """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions ending in EOS."""
     x = task.tokenizer.encode_batch(prompts, task.prompt_len, "left").to(device)
@@ -240,10 +268,12 @@ def held_out(task, args):
 def evaluate(model, task, prompts, args, n_show=3):
     """Greedy decoding: exact-solve rate (reward 1), mean reward, and n_show prompt -> completion lines:
     the first solved problem, if any, and the first unsolved ones."""
-    batch_size = len(prompts) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
-    texts = [task.decode(y) for i in range(0, len(prompts), batch_size)
-             for y in generate(model, encode(task, prompts[i:i + batch_size], device=args.device),
+    mine = prompts[args.rank::args.world]   # data parallel: each process answers its share
+    batch_size = len(mine) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
+    texts = [task.decode(y) for i in range(0, len(mine), batch_size)
+             for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
                                task.gen_len).cpu()]
+    prompts, texts = [sum(share, []) for share in zip(*everyone([mine, texts], args))]
     rewards = [task.reward(prompt, text) for prompt, text in zip(prompts, texts)]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
     shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
@@ -282,12 +312,15 @@ def sft_path(args):
 
 def sft_batches(task, args, generator):
     """An endless stream of (x, y) SFT batches, random draws from the --demos demonstrations: training
-    problems with their answers, the same set for every run of a seed. --demos 0: fresh ones every step."""
+    problems with their answers, the same set for every run of a seed. --demos 0: fresh ones every step.
+    Data parallel: each process draws its share of every batch (draws with replacement: independent shares
+    of SFT_BATCH / world rows make a batch with the same law as one draw of SFT_BATCH)."""
+    n = SFT_BATCH // args.world
     while not args.demos:
-        yield encode(task, *task.sample(SFT_BATCH, "train", generator), device=args.device)
+        yield encode(task, *task.sample(n, "train", generator), device=args.device)
     x, y = encode(task, *task.sample(args.demos, "train", 10_000 + args.seed), device=args.device)
     while True:
-        yield x[rows := torch.randint(args.demos, (SFT_BATCH,), generator=generator).to(args.device)], y[rows]
+        yield x[rows := torch.randint(args.demos, (n,), generator=generator).to(args.device)], y[rows]
 
 def sft_lr_at(args, step):
     """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
@@ -299,25 +332,27 @@ def run_sft(args, task):
     steps, greedy answers to the validation problems are scored by the verifier (no answers needed);
     the model with the best validation reward is kept, and SFT stops once it has not improved for
     SFT_PATIENCE evaluations: more SFT on a few hundred demonstrations memorises them."""
-    torch.manual_seed(args.seed)  # the initial weights
+    torch.manual_seed(args.seed)  # the initial weights: the same on every process
     model = make_model(task, args).to(args.device)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
           + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed + 1000 * args.rank)  # data parallel: a stream each
     batches = sft_batches(task, args, generator)
     val_prompts = task.sample(args.val_size, "validation", 4321)[0]   # prompts only: the verifier scores
     best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
-    for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False, disable=None):
+    for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False,
+                     disable=args.rank > 0 or None):
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
         loss = sft_loss(model, *next(batches), generator=generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        loss, = average_gradients(model, args, loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss)
         seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
@@ -327,18 +362,17 @@ def run_sft(args, task):
                       "seconds": seconds})
         losses, improved = [], best is None or val["reward"] > best["val_reward"]
         if improved:
-            best = curve[-1]
+            best, best_weights = curve[-1], {k: v.clone() for k, v in model.state_dict().items()}
+        if args.rank == 0:  # the best model so far and the whole curve: an interrupted SFT keeps them
             save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=step, model=model.state_dict(), curve=curve)
+                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve)
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
                    f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
                    f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
         if step - best["step"] >= SFT_PATIENCE * args.sft_eval_every:
             print(f"SFT stops: no better validation reward for {SFT_PATIENCE} evaluations")
             break
-    state = load_checkpoint(sft_path(args), task, model.config)
-    save_checkpoint(sft_path(args), **{**state, "curve": curve})  # the whole curve, past the best step too
-    model.load_state_dict(state["model"])
+    model.load_state_dict(best_weights)
     print(f"kept the SFT model of step {best['step']} (validation reward {best['val_reward']:.3f}, "
           f"held-out accuracy {best['accuracy']:.1%}): {sft_path(args)}")
     return model
@@ -362,16 +396,19 @@ def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers).
     The loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the
     step's log record, and every --eval-every steps a held-out evaluation and a checkpoint."""
-    G, B, L = args.group_size, args.prompts_per_step * args.group_size, task.gen_len
+    n_prompts = args.prompts_per_step // args.world   # data parallel: this process's share, G completions each
+    G, B, L = args.group_size, n_prompts * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(args.seed + 1)
+    generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * args.rank)  # a stream per process
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     if args.resume:
         state = load_checkpoint(ckpt_path, task, model.config)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["rng"])
+        if len(state["rng"]) != args.world:
+            raise RunError(f"{ckpt_path} was saved by {len(state['rng'])} processes: resume it with as many")
+        generator.set_state(state["rng"][args.rank])
         start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
         print(f"resumed {ckpt_path} at step {state['step']}")
@@ -379,14 +416,15 @@ def run_rl(args, task, model):
         show_unmasking(model, task, held_out(task, args)[0], args)
         start, records = 1, [{"step": 0}]
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
-    os.makedirs(run_dir, exist_ok=True)
-    with open(log_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    if args.rank == 0:   # one voice: rank 0 writes the log and the checkpoints
+        os.makedirs(run_dir, exist_ok=True)
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
         # 1. fresh training problems, and G completions of each from the current policy
-        prompts = task.sample(args.prompts_per_step, "train", generator)[0]
+        prompts = task.sample(n_prompts, "train", generator)[0]
         x, y, rewards = sample_rollouts(model, task, prompts, args, generator)       # (B, P), (B, L), (B,)
         # 2. the verifier's rewards -> 3. group-relative advantages (Eq. 18)
         A = group_advantages(rewards, G).to(args.device)                            # (B,)
@@ -402,24 +440,27 @@ def run_rl(args, task, model):
         with ActivationMemory(model) as memory:
             for rows in torch.arange(B, device=A.device).chunk(args.minibatches):
                 keep = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal, leave it out
-                if len(keep) == 0:          # (an Adam step without a gradient would still move the weights)
-                    continue
                 inputs = (x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep]),
                           None if old_terms is None else old_terms[keep],
                           A[keep] * (len(keep) / len(rows)))  # so the mean over the mini-batch is unchanged
                 optimizer.zero_grad(set_to_none=True)
-                if args.objective == "bgpo":
+                loss = 0.0
+                if len(keep) and args.objective == "bgpo":
                     loss = bgpo_backward(model, *inputs, clip_eps, args.mc_chunk)  # backward per MC sample
-                else:
+                elif len(keep):
                     loss = naive_loss(model, *inputs, clip_eps)             # one graph over all n_t samples
                     loss.backward()
                     loss = loss.item()
+                loss, kept = average_gradients(model, args, loss, len(keep))   # data parallel: the mean
+                if not kept:  # every group tied (an Adam step without a gradient would still move the weights)
+                    continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
                                    + (f"{ckpt_path} (step {saved})" if saved else "none yet"))
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 losses.append(loss)
+        rewards = torch.cat(everyone(rewards, args))   # data parallel: the log is over every process's rollouts
         groups = rewards.view(-1, G)
         records.append(r := {"step": step, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
@@ -433,13 +474,15 @@ def run_rl(args, task, model):
         if step % args.eval_every == 0 or step == args.rl_steps:
             line += " | " + held_out_eval(model, task, args, r)
         print(line)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line
-            save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=step, model=model.state_dict(),
-                            optimizer=optimizer.state_dict(), rng=generator.get_state())
-            saved = step
+        if "accuracy" in r:  # a checkpoint, with every process's random stream for --resume
+            rngs, saved = everyone(generator.get_state(), args), step
+        if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
+            with open(log_path, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            if "accuracy" in r:
+                save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
+                                config=asdict(model.config), step=step, model=model.state_dict(),
+                                optimizer=optimizer.state_dict(), rng=rngs)
     return [r for r in records if "accuracy" in r]
 
 def show_unmasking(model, task, prompt, args):
@@ -537,6 +580,7 @@ def check_args(p, args):
         if type(value) is int and name not in ("seed", "demos") and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     task, k = get_task(args.task), f"_k{args.minibatches}" if args.minibatches > 1 else ""
+    args.rank, args.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
@@ -549,6 +593,11 @@ def check_args(p, args):
             (args.mc_chunk <= args.mc_samples, f"--mc-chunk {args.mc_chunk} is larger than --mc-samples"),
             (args.prompts_per_step % args.minibatches == 0, f"--minibatches {args.minibatches} must divide "
              f"--prompts-per-step {args.prompts_per_step} (a mini-batch is whole groups)"),
+            (args.prompts_per_step % (args.world * args.minibatches) == 0, f"{args.world} processes x --minibatches "
+             f"{args.minibatches} must divide --prompts-per-step {args.prompts_per_step} (each takes whole groups)"),
+            (SFT_BATCH % args.world == 0, f"{args.world} processes must divide the SFT batch of {SFT_BATCH}"),
+            (args.world == 1 or not args.bench_memory and args.prompt is None,
+             "--bench-memory and --prompt run in one process: python bgpo.py, not torchrun"),
             (not args.resume or os.path.isfile(ckpt), f"--resume: no run to resume at {ckpt}"),
             (not args.resume or args.stage != "sft", "--resume continues an RL run: use --stage rl or all"),
             (args.prompt is None or re.fullmatch(task.prompt_pattern, args.prompt), f"--prompt "
@@ -558,6 +607,10 @@ def check_args(p, args):
     if args.device == "auto":
         args.device = ("cuda" if torch.cuda.is_available() else
                        "mps" if torch.backends.mps.is_available() else "cpu")
+    if args.world > 1 and args.device.startswith("cuda"):   # torchrun: a GPU per process
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    elif args.world > 1 and args.device != "cpu":
+        p.error(f"--device {args.device}: under torchrun the processes run on cuda or cpu")
     try:
         torch.empty(0, device=args.device)
     except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
@@ -578,6 +631,12 @@ def sft_model(args, task):
 def main(argv=None):
     args = parse_args(argv)
     task, t0 = get_task(args.task), time.time()
+    if args.world > 1:  # under torchrun; after every check of the flags, so that a bad one never hangs
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if args.rank > 0:
+        sys.stdout = open(os.devnull, "w")   # one voice: rank 0 prints
     if args.bench_memory:
         return bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's
@@ -588,7 +647,8 @@ def main(argv=None):
         return answer
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
-    print(f"task {task.name} | device {args.device} | seed {args.seed}")
+    print(f"task {task.name} | device {args.device} | seed {args.seed}"
+          + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
     model = sft_model(args, task)
     if args.stage == "sft":
         return model
@@ -601,6 +661,8 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except RunError as e:  # a missing or wrong checkpoint, a diverged run
         print(f"bgpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -24,7 +24,7 @@ import random
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
-from itertools import permutations, product
+from itertools import permutations
 
 import torch
 
@@ -307,14 +307,14 @@ class Countdown(Task):
 # Task 3: 4x4 Sudoku.
 
 def _all_sudoku_grids():
-    """All 288 valid 4x4 grids (rows, columns and 2x2 boxes hold 1..4), as 16-char strings."""
-    grids = []
-    for rows in product(list(permutations("1234")), repeat=4):
-        cols_ok = all(len({r[c] for r in rows}) == 4 for c in range(4))
-        boxes_ok = all(len({rows[r + i][c + j] for i in (0, 1) for j in (0, 1)}) == 4
-                       for r in (0, 2) for c in (0, 2))
-        if cols_ok and boxes_ok:
-            grids.append("".join("".join(r) for r in rows))
+    """All 288 valid 4x4 grids (rows, columns and 2x2 boxes hold 1..4), as 16-char strings, in
+    lexicographic order: grown a row at a time, keeping a row when it repeats no digit of its columns
+    or of the row above in its boxes."""
+    grids = [""]
+    for r in range(4):
+        grids = [g + "".join(row) for g in grids for row in permutations("1234")
+                 if all(row[c] not in g[c::4] for c in range(4))
+                 and (r % 2 == 0 or all(set(g[-4:][c:c + 2]).isdisjoint(row[c:c + 2]) for c in (0, 2)))]
     return grids
 
 SUDOKU_GRIDS = _all_sudoku_grids()

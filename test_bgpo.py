@@ -10,7 +10,9 @@ import copy
 import itertools
 import json
 import math
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -18,9 +20,12 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bgpo
 import tasks
+import tiny_dllm
 from bgpo import (ActivationMemory, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, group_advantages,
                   naive_loss, naive_objective)
 from tasks import TOKENIZER, get_task
@@ -720,3 +725,173 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
     kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_seed0" / "ckpt.pt", weights_only=True)
     assert kept["step"] == 1
+
+# -----------------------------------------------------------------------------
+# Data parallel: two gloo processes on the CPU against one process, on the same batch
+
+DP_ARGV = ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--device", "cpu",
+           "--prompts-per-step", "8", "--group-size", "2", "--mc-samples", "8", "--rl-steps", "1",
+           "--eval-size", "3", "--val-size", "3", "--sft-steps", "2", "--sft-eval-every", "2"]
+DP_CASES = [("bgpo", 1), ("naive", 1), ("bgpo", 2), ("naive", 2)]
+# groups 2 and 3 tie: with --minibatches 2, process 1's first mini-batch is only those (no gradient of its own)
+DP_REWARDS = [1, 0, .5, 0, 0, 0, 1, 1, 0, 1, .2, .1, 1, 0, 0, .5]
+
+def dp_rows(args, n_rows, minibatches):
+    """The rows of a batch of n_rows (whole groups of G) that process args.rank of args.world holds. run_rl
+    splits them into mini-batches in order; one process's k-th mini-batch is the union of every process's
+    k-th, so that the one-process run is the same update."""
+    per = n_rows // (minibatches * args.world)   # rows per process per mini-batch
+    return torch.tensor([k * per * args.world + args.rank * per + i for k in range(minibatches)
+                         for i in range(per)])
+
+CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
+
+def record_grads(setattr):
+    """The gradient of every optimizer step, as the update leaves it, before clipping."""
+    seen = []
+
+    def recording_clip(params, *args):
+        params = list(params)
+        seen.append(torch.cat([p.grad.flatten() for p in params]))
+        return CLIP_GRAD_NORM(params, *args)
+
+    setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    return seen
+
+def dp_rl_update(argv, setattr):
+    """One RL step of run_rl on a fixed rollout batch and MC draws (rollouts and draws replaced, the rest
+    run_rl's own), by this process's share of the batch: the parameters, gradients and log it leaves."""
+    args, task = bgpo.parse_args(argv), get_task("arithmetic")
+    B = args.prompts_per_step * args.group_size
+    x, y = bgpo.encode(task, *task.sample(B, "train", 0))
+    rewards, mc = torch.tensor(DP_REWARDS), draw_mc_samples(B, task.gen_len, args.mc_samples,
+                                                                      torch.Generator().manual_seed(1))
+    rows = dp_rows(args, B, args.minibatches)
+    setattr(bgpo, "sample_rollouts", lambda *_: (x[rows], y[rows], rewards[rows]))
+    setattr(bgpo, "draw_mc_samples", lambda *_: bgpo.MCSamples(mc.mask[rows], mc.weight[rows]))
+    grads_seen, model = record_grads(setattr), (torch.manual_seed(0), bgpo.make_model(task, args))[1]
+    initial = flat_params(model)
+    bgpo.run_rl(args, task, model)
+    log = os.path.join(args.out_dir, args.run_name, "log.jsonl")
+    return {"initial": initial, "params": flat_params(model), "grads": grads_seen,
+            "log": read_log(log) if args.rank == 0 else None}
+
+def dp_sft_steps(argv, setattr):
+    """Two steps of run_sft on a fixed batch of 8 demonstrations with fixed masks, by this process's share."""
+    args, task = bgpo.parse_args(argv), get_task("arithmetic")
+    x, y = bgpo.encode(task, *task.sample(8, "train", 0))
+    mask, weight = forward_process(8, task.gen_len, 1, torch.Generator().manual_seed(1))
+    rows = torch.arange(8).chunk(args.world)[args.rank]
+    setattr(bgpo, "sft_batches", lambda *_: itertools.repeat((x[rows], y[rows])))
+    setattr(tiny_dllm, "forward_process", lambda *_: (mask[rows], weight[rows]))
+    grads_seen = record_grads(setattr)
+    initial = flat_params((torch.manual_seed(args.seed), bgpo.make_model(task, args))[1])  # run_sft's start
+    return {"initial": initial, "params": flat_params(bgpo.run_sft(args, task)), "grads": grads_seen}
+
+def dp_worker(rank, port, out_dir):
+    """One of two processes, as torchrun starts them (the environment), with gloo on the CPU."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    sizes, all_reduce = [], dist.all_reduce   # the number of elements of every all_reduce
+    dist.all_reduce = lambda tensor, *a, **k: sizes.append(tensor.numel()) or all_reduce(tensor, *a, **k)
+    results = {}
+    for objective, k in DP_CASES:
+        sizes.clear()
+        argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{objective}{k}"]
+        results[objective, k] = {**dp_rl_update(argv, setattr), "all_reduce_sizes": list(sizes)}
+    results["sft"] = dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr)
+    # DDP syncs at every backward unless told no_sync: one BGPO update at n_t = 8 under it
+    task, syncs = get_task("arithmetic"), []
+    model = (torch.manual_seed(0), bgpo.make_model(task, bgpo.parse_args(DP_ARGV)))[1]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.config = model.config   # what masked_log_likelihood reads
+    ddp.register_comm_hook(None, lambda state, bucket: syncs.append(bucket.buffer().numel()) or
+                           default_hooks.allreduce_hook(None, bucket))
+    x, y = bgpo.encode(task, *task.sample(8, "train", rank))
+    bgpo_backward(ddp, x, y, draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank)), None, torch.tensor([1.0, -1.0] * 4))
+    results["ddp_per_sample_syncs"] = syncs
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """What each of the two processes returned (a list by rank)."""
+    out_dir = tmp_path_factory.mktemp("dp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(dp_worker, args=(port, str(out_dir)), nprocs=2)
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+def relative_difference(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+@pytest.mark.parametrize("objective, minibatches", DP_CASES)
+def test_data_parallel_rl_update_equals_one_process_on_the_whole_batch(two_processes, tmp_path, monkeypatch,
+                                                                        objective, minibatches):
+    """Two processes, each with half the groups (of every mini-batch), end one RL step with the parameters
+    that one process updating on the whole batch ends with, and each optimizer step saw the same gradient
+    (the gradient itself: Adam's step barely changes when the gradient is scaled). The log, written by
+    rank 0, is over both processes' rollouts."""
+    argv = DP_ARGV + ["--objective", objective, "--minibatches", str(minibatches), "--out-dir", str(tmp_path)]
+    one = dp_rl_update(argv, monkeypatch.setattr)
+    assert len(one["grads"]) == minibatches
+    for rank, result in enumerate(r[objective, minibatches] for r in two_processes):
+        assert relative_difference(result["params"], one["params"]) <= 1e-10, rank
+        for step, (g_dp, g_one) in enumerate(zip(result["grads"], one["grads"], strict=True)):
+            assert relative_difference(g_dp, g_one) <= 1e-10, (rank, step, report(g_dp, g_one))
+    assert relative_difference(one["params"], one["initial"]) > 1e-6, "the update should move the parameters"
+    log = two_processes[0][objective, minibatches]["log"]
+    for key in ("reward", "reward_std", "mixed_groups", "solved", "loss", "accuracy"):
+        assert log[1][key] == pytest.approx(one["log"][1][key], rel=1e-10, abs=1e-12), key
+
+def test_data_parallel_sft_steps_equal_one_process_on_the_whole_batch(two_processes, tmp_path, monkeypatch):
+    """Two SFT steps, each process with half of every batch, against one process with the whole batch."""
+    one = dp_sft_steps(DP_ARGV + ["--out-dir", str(tmp_path)], monkeypatch.setattr)
+    assert len(one["grads"]) == 2 and relative_difference(one["params"], one["initial"]) > 1e-6
+    for rank, result in enumerate(r["sft"] for r in two_processes):
+        assert relative_difference(result["params"], one["params"]) <= 1e-10, rank
+        for step, (g_dp, g_one) in enumerate(zip(result["grads"], one["grads"], strict=True)):
+            assert relative_difference(g_dp, g_one) <= 1e-10, (rank, step, report(g_dp, g_one))
+
+def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two_processes):
+    """One BGPO update at n_t = 8 on two processes: bgpo.py all-reduces the gradient once per optimizer
+    step (with --minibatches 2, once per mini-batch's update); DDP without no_sync would sync after each
+    of the 8 per-sample backwards (each bucket of the gradient once per backward)."""
+    n_params = len(two_processes[0]["sft"]["params"])
+    for result in two_processes:
+        # the gradient and 2 numbers (the loss and the count of informative rows) in one flat buffer
+        assert result["bgpo", 1]["all_reduce_sizes"] == [n_params + 2]
+        assert result["bgpo", 2]["all_reduce_sizes"] == [n_params + 2] * 2
+        syncs = result["ddp_per_sample_syncs"]
+        assert sum(syncs) == 8 * n_params, syncs   # the whole gradient, 8 times
+    print(f"\none BGPO update at n_t = 8, {n_params} parameters: bgpo.py all-reduces 1 buffer of {n_params + 2} "
+          f"numbers; DDP without no_sync {len(syncs)} ({sum(syncs)} numbers)")
+
+def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on_every_process(tmp_path):
+    """The real launcher, end to end on a tiny configuration; beside it, two processes started as torchrun
+    starts them, with a world size of 2 that does not divide --prompts-per-step 3: each exits 2 with one
+    line, before any collective (no process waits for the other)."""
+    argv = DP_ARGV + ["--sft-steps", "2", "--rl-steps", "2", "--eval-every", "1", "--out-dir", str(tmp_path)]
+    env, cwd = {**os.environ, "OMP_NUM_THREADS": "1"}, os.path.dirname(bgpo.__file__)
+    bad = [subprocess.Popen([sys.executable, "bgpo.py", *argv, "--prompts-per-step", "3"], cwd=cwd, text=True,
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "bgpo.py", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
+    assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
+    run_dir = tmp_path / "arithmetic_bgpo_nt8_seed0"
+    assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
+    assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
+    for process in bad:
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 2 and err.count("\n") == 1, err
+        assert "2 processes x --minibatches 1 must divide --prompts-per-step 3" in err, err
