@@ -24,8 +24,8 @@ Simplifications versus the paper:
    GRPO trainer), and a group whose rewards are all equal gets exactly 0.
 5. Negative advantages are scaled by NEG_WEIGHT = 0.5 (the paper's is 1).
 
-Shapes: B batch (= prompts x G), G group size, M Monte Carlo samples (n_t, or a chunk of them),
-L completion length, P prompt length, T = P + L, V vocabulary.
+Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size, M Monte Carlo samples
+(n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
 """
 import argparse
 import json
@@ -223,27 +223,24 @@ TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
 
-# Data parallel under torchrun: args.world processes, each with its share of every batch. With one process
-# (plain python) these two helpers do nothing and the run is the same, number for number.
+# Data parallel (torchrun): args.world processes, a share of every batch each. With one, these do nothing.
 
 def everyone(obj, args):
     """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
-    if args.world == 1:
-        return [obj]
-    gathered = [None] * args.world
-    dist.all_gather_object(gathered, obj)
+    gathered = [obj] * args.world
+    if args.world > 1:
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 def average_gradients(model, args, *stats):
-    """Average .grad and stats (numbers) over the processes, in one all_reduce of one flat buffer. Called
-    once per optimizer step, after the last backward: BGPO's backward per MC sample accumulates .grad as
-    micro-batches do, and the average of the sums is the sum of the averages, so syncing every sample
-    (as DDP does unless told no_sync) would send n_t times the bytes for the same result."""
+    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer, once per
+    optimizer step, after the last backward. BGPO's backward per MC sample accumulates .grad as micro-batches
+    do; syncing after each (DDP's default, unless no_sync) would send n_t times the bytes for the same sum."""
     if args.world == 1:
         return stats
     params = list(model.parameters())
-    flat = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in params]
-                     + [torch.tensor(stats, dtype=params[0].dtype, device=params[0].device)])
+    flat = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten() for p in params]
+                     + [params[0].new_tensor(stats)])
     dist.all_reduce(flat)   # the sum over processes
     *grads, stats = (flat / args.world).split([p.numel() for p in params] + [len(stats)])
     for p, grad in zip(params, grads):
@@ -313,8 +310,7 @@ def sft_path(args):
 def sft_batches(task, args, generator):
     """An endless stream of (x, y) SFT batches, random draws from the --demos demonstrations: training
     problems with their answers, the same set for every run of a seed. --demos 0: fresh ones every step.
-    Data parallel: each process draws its share of every batch (draws with replacement: independent shares
-    of SFT_BATCH / world rows make a batch with the same law as one draw of SFT_BATCH)."""
+    Data parallel: each process draws its SFT_BATCH / world rows (with replacement: as one draw would)."""
     n = SFT_BATCH // args.world
     while not args.demos:
         yield encode(task, *task.sample(n, "train", generator), device=args.device)
@@ -342,7 +338,7 @@ def run_sft(args, task):
     val_prompts = task.sample(args.val_size, "validation", 4321)[0]   # prompts only: the verifier scores
     best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
     for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False,
-                     disable=args.rank > 0 or None):
+                     disable=args.rank or None):   # rank 0's bar only
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
@@ -396,8 +392,7 @@ def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers).
     The loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the
     step's log record, and every --eval-every steps a held-out evaluation and a checkpoint."""
-    n_prompts = args.prompts_per_step // args.world   # data parallel: this process's share, G completions each
-    G, B, L = args.group_size, n_prompts * args.group_size, task.gen_len
+    G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * args.rank)  # a stream per process
     run_dir = os.path.join(args.out_dir, args.run_name)
@@ -424,7 +419,7 @@ def run_rl(args, task, model):
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
         # 1. fresh training problems, and G completions of each from the current policy
-        prompts = task.sample(n_prompts, "train", generator)[0]
+        prompts = task.sample(B // G, "train", generator)[0]
         x, y, rewards = sample_rollouts(model, task, prompts, args, generator)       # (B, P), (B, L), (B,)
         # 2. the verifier's rewards -> 3. group-relative advantages (Eq. 18)
         A = group_advantages(rewards, G).to(args.device)                            # (B,)
@@ -451,8 +446,8 @@ def run_rl(args, task, model):
                     loss = naive_loss(model, *inputs, clip_eps)             # one graph over all n_t samples
                     loss.backward()
                     loss = loss.item()
-                loss, kept = average_gradients(model, args, loss, len(keep))   # data parallel: the mean
-                if not kept:  # every group tied (an Adam step without a gradient would still move the weights)
+                loss, kept = average_gradients(model, args, loss, len(keep))   # over the processes
+                if not kept:  # every group tied (an Adam step without a gradient still moves the weights)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
@@ -460,7 +455,7 @@ def run_rl(args, task, model):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 losses.append(loss)
-        rewards = torch.cat(everyone(rewards, args))   # data parallel: the log is over every process's rollouts
+        rewards = torch.cat(everyone(rewards, args))   # the log is over every process's rollouts
         groups = rewards.view(-1, G)
         records.append(r := {"step": step, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
@@ -586,18 +581,14 @@ def check_args(p, args):
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     for ok, message in [
             (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
-            (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} must be divisible by --n-head "
-                                              f"{args.n_head}"),
+            (args.n_embd % args.n_head == 0, f"--n-head {args.n_head} must divide --n-embd {args.n_embd}"),
             (args.group_size >= 2, f"--group-size must be at least 2 (A compares), got {args.group_size}"),
             (args.objective == "bgpo" or args.mc_chunk == 1, "--mc-chunk is an option of --objective bgpo"),
             (args.mc_chunk <= args.mc_samples, f"--mc-chunk {args.mc_chunk} is larger than --mc-samples"),
-            (args.prompts_per_step % args.minibatches == 0, f"--minibatches {args.minibatches} must divide "
-             f"--prompts-per-step {args.prompts_per_step} (a mini-batch is whole groups)"),
-            (args.prompts_per_step % (args.world * args.minibatches) == 0, f"{args.world} processes x --minibatches "
-             f"{args.minibatches} must divide --prompts-per-step {args.prompts_per_step} (each takes whole groups)"),
+            (args.prompts_per_step % (args.world * args.minibatches) == 0, (f"{args.world} processes x " if
+             args.world > 1 else "") + f"--minibatches {args.minibatches} must divide --prompts-per-step "
+             f"{args.prompts_per_step} (each mini-batch of each process is whole groups)"),
             (SFT_BATCH % args.world == 0, f"{args.world} processes must divide the SFT batch of {SFT_BATCH}"),
-            (args.world == 1 or not args.bench_memory and args.prompt is None,
-             "--bench-memory and --prompt run in one process: python bgpo.py, not torchrun"),
             (not args.resume or os.path.isfile(ckpt), f"--resume: no run to resume at {ckpt}"),
             (not args.resume or args.stage != "sft", "--resume continues an RL run: use --stage rl or all"),
             (args.prompt is None or re.fullmatch(task.prompt_pattern, args.prompt), f"--prompt "
@@ -607,10 +598,8 @@ def check_args(p, args):
     if args.device == "auto":
         args.device = ("cuda" if torch.cuda.is_available() else
                        "mps" if torch.backends.mps.is_available() else "cpu")
-    if args.world > 1 and args.device.startswith("cuda"):   # torchrun: a GPU per process
-        args.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
-    elif args.world > 1 and args.device != "cpu":
-        p.error(f"--device {args.device}: under torchrun the processes run on cuda or cpu")
+    if args.world > 1:   # torchrun: each process on its own GPU (NCCL), or on the CPU (gloo)
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}" if args.device.startswith("cuda") else "cpu"
     try:
         torch.empty(0, device=args.device)
     except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
@@ -635,8 +624,7 @@ def main(argv=None):
         if args.device.startswith("cuda"):
             torch.cuda.set_device(args.device)
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    if args.rank > 0:
-        sys.stdout = open(os.devnull, "w")   # one voice: rank 0 prints
+        sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice: rank 0 prints
     if args.bench_memory:
         return bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's

@@ -7,6 +7,7 @@ are in lab/test_*.py; one command runs both.
     python -m pytest -q -s -k equivalence   # the on-policy equivalence demos, printing what each compares
 """
 import copy
+import datetime
 import itertools
 import json
 import math
@@ -695,7 +696,7 @@ def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
     (["--stage", "control"], "invalid choice"),
     (["--minibatches", "0"], "--minibatches must be a positive integer"),
     (["--minibatches", "3"], "--minibatches 3 must divide --prompts-per-step 2"),
-    (["--n-embd", "15"], "--n-embd 15 must be divisible by --n-head 2"),
+    (["--n-embd", "15"], "--n-head 2 must divide --n-embd 15"),
     (["--prompt", "12+ab="], "--prompt '12+ab=': not a arithmetic problem"),
     (["--prompt", "15,4,1:64"], "not a arithmetic problem like"),
 ])
@@ -733,18 +734,17 @@ DP_ARGV = ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head
            "--prompts-per-step", "8", "--group-size", "2", "--mc-samples", "8", "--rl-steps", "1",
            "--eval-size", "3", "--val-size", "3", "--sft-steps", "2", "--sft-eval-every", "2"]
 DP_CASES = [("bgpo", 1), ("naive", 1), ("bgpo", 2), ("naive", 2)]
-# groups 2 and 3 tie: with --minibatches 2, process 1's first mini-batch is only those (no gradient of its own)
+# groups 2 and 3 tie: with --minibatches 2, process 1's first mini-batch is those two, without a gradient
 DP_REWARDS = [1, 0, .5, 0, 0, 0, 1, 1, 0, 1, .2, .1, 1, 0, 0, .5]
+CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 
 def dp_rows(args, n_rows, minibatches):
-    """The rows of a batch of n_rows (whole groups of G) that process args.rank of args.world holds. run_rl
+    """The rows of a batch of n_rows (whole groups) that process args.rank of args.world holds. run_rl
     splits them into mini-batches in order; one process's k-th mini-batch is the union of every process's
-    k-th, so that the one-process run is the same update."""
+    k-th, so that the one-process run makes the same updates."""
     per = n_rows // (minibatches * args.world)   # rows per process per mini-batch
     return torch.tensor([k * per * args.world + args.rank * per + i for k in range(minibatches)
                          for i in range(per)])
-
-CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 
 def record_grads(setattr):
     """The gradient of every optimizer step, as the update leaves it, before clipping."""
@@ -758,18 +758,25 @@ def record_grads(setattr):
     setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     return seen
 
+def seeded_model(task, args):
+    torch.manual_seed(0)
+    return bgpo.make_model(task, args)
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
 def dp_rl_update(argv, setattr):
     """One RL step of run_rl on a fixed rollout batch and MC draws (rollouts and draws replaced, the rest
     run_rl's own), by this process's share of the batch: the parameters, gradients and log it leaves."""
     args, task = bgpo.parse_args(argv), get_task("arithmetic")
     B = args.prompts_per_step * args.group_size
     x, y = bgpo.encode(task, *task.sample(B, "train", 0))
-    rewards, mc = torch.tensor(DP_REWARDS), draw_mc_samples(B, task.gen_len, args.mc_samples,
-                                                                      torch.Generator().manual_seed(1))
+    rewards = torch.tensor(DP_REWARDS)
+    mc = draw_mc_samples(B, task.gen_len, args.mc_samples, torch.Generator().manual_seed(1))
     rows = dp_rows(args, B, args.minibatches)
     setattr(bgpo, "sample_rollouts", lambda *_: (x[rows], y[rows], rewards[rows]))
     setattr(bgpo, "draw_mc_samples", lambda *_: bgpo.MCSamples(mc.mask[rows], mc.weight[rows]))
-    grads_seen, model = record_grads(setattr), (torch.manual_seed(0), bgpo.make_model(task, args))[1]
+    grads_seen, model = record_grads(setattr), seeded_model(task, args)
     initial = flat_params(model)
     bgpo.run_rl(args, task, model)
     log = os.path.join(args.out_dir, args.run_name, "log.jsonl")
@@ -785,32 +792,61 @@ def dp_sft_steps(argv, setattr):
     setattr(bgpo, "sft_batches", lambda *_: itertools.repeat((x[rows], y[rows])))
     setattr(tiny_dllm, "forward_process", lambda *_: (mask[rows], weight[rows]))
     grads_seen = record_grads(setattr)
-    initial = flat_params((torch.manual_seed(args.seed), bgpo.make_model(task, args))[1])  # run_sft's start
+    torch.manual_seed(args.seed)
+    initial = flat_params(bgpo.make_model(task, args))   # run_sft's first weights
     return {"initial": initial, "params": flat_params(bgpo.run_sft(args, task)), "grads": grads_seen}
+
+def scripted_task():
+    """Arithmetic with a verifier that scores any text (a random model solves nothing): 0, 0.5 or 1."""
+    task = get_task("arithmetic")
+    task.reward = lambda prompt, completion: [0.0, 0.5, 1.0][sum(map(ord, prompt + completion)) % 3]
+    return task
+
+def dp_evaluate(argv):
+    """evaluate on 11 problems: each process answers its share, every process gets every score."""
+    args, task = bgpo.parse_args(argv), scripted_task()
+    result = bgpo.evaluate(seeded_model(task, args), task, task.sample(11, "test", 0)[0], args)
+    return result["accuracy"], result["reward"]
+
+def dp_resume(out_dir):
+    """Two RL steps in one go, and one step then --resume for the second: the parameters after each."""
+    params, task = {}, scripted_task()
+    for run, steps in (("straight", ["2"]), ("resumed", ["1", "2"])):
+        for i, rl_steps in enumerate(steps):
+            args = bgpo.parse_args(DP_ARGV + ["--rl-steps", rl_steps, "--eval-every", "1", "--out-dir", out_dir,
+                                              "--run-name", run] + ["--resume"] * i)
+            model = seeded_model(task, args)
+            bgpo.run_rl(args, task, model)
+            if dist.is_initialized():
+                dist.barrier()   # rank 0's checkpoint is written before any process resumes from it
+        params[run] = flat_params(model)
+    params["initial"] = flat_params(seeded_model(task, args))
+    return params
 
 def dp_worker(rank, port, out_dir):
     """One of two processes, as torchrun starts them (the environment), with gloo on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # a hang fails the test
+    results = {"evaluate": dp_evaluate(DP_ARGV), "resume": dp_resume(f"{out_dir}/resume")}
     sizes, all_reduce = [], dist.all_reduce   # the number of elements of every all_reduce
     dist.all_reduce = lambda tensor, *a, **k: sizes.append(tensor.numel()) or all_reduce(tensor, *a, **k)
-    results = {}
     for objective, k in DP_CASES:
         sizes.clear()
-        argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{objective}{k}"]
+        argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{k}"]
         results[objective, k] = {**dp_rl_update(argv, setattr), "all_reduce_sizes": list(sizes)}
     results["sft"] = dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr)
     # DDP syncs at every backward unless told no_sync: one BGPO update at n_t = 8 under it
     task, syncs = get_task("arithmetic"), []
-    model = (torch.manual_seed(0), bgpo.make_model(task, bgpo.parse_args(DP_ARGV)))[1]
+    model = seeded_model(task, bgpo.parse_args(DP_ARGV))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.config = model.config   # what masked_log_likelihood reads
     ddp.register_comm_hook(None, lambda state, bucket: syncs.append(bucket.buffer().numel()) or
                            default_hooks.allreduce_hook(None, bucket))
     x, y = bgpo.encode(task, *task.sample(8, "train", rank))
-    bgpo_backward(ddp, x, y, draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank)), None, torch.tensor([1.0, -1.0] * 4))
+    mc = draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank))
+    bgpo_backward(ddp, x, y, mc, None, torch.tensor([1.0, -1.0] * 4))
     results["ddp_per_sample_syncs"] = syncs
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -824,9 +860,6 @@ def two_processes(tmp_path_factory):
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(dp_worker, args=(port, str(out_dir)), nprocs=2)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
-
-def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 def relative_difference(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
@@ -870,8 +903,8 @@ def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two
         assert result["bgpo", 2]["all_reduce_sizes"] == [n_params + 2] * 2
         syncs = result["ddp_per_sample_syncs"]
         assert sum(syncs) == 8 * n_params, syncs   # the whole gradient, 8 times
-    print(f"\none BGPO update at n_t = 8, {n_params} parameters: bgpo.py all-reduces 1 buffer of {n_params + 2} "
-          f"numbers; DDP without no_sync {len(syncs)} ({sum(syncs)} numbers)")
+    print(f"\none BGPO update at n_t = 8, {n_params} parameters: bgpo.py all-reduces 1 buffer of "
+          f"{n_params + 2} numbers; DDP without no_sync {len(syncs)} ({sum(syncs)} numbers)")
 
 def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on_every_process(tmp_path):
     """The real launcher, end to end on a tiny configuration; beside it, two processes started as torchrun
@@ -895,3 +928,16 @@ def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on
         _, err = process.communicate(timeout=30)
         assert process.returncode == 2 and err.count("\n") == 1, err
         assert "2 processes x --minibatches 1 must divide --prompts-per-step 3" in err, err
+
+def test_data_parallel_evaluation_scores_every_problem_once_and_resume_restores_every_stream(two_processes,
+                                                                                                tmp_path):
+    """Held-out evaluation, each process answering its share, gives one process's accuracy and reward;
+    --resume under two processes gives the run that was never interrupted (each process's random stream is
+    in the checkpoint)."""
+    args = bgpo.parse_args(DP_ARGV)
+    assert dp_evaluate(DP_ARGV) == two_processes[0]["evaluate"] == two_processes[1]["evaluate"]
+    assert 0 < dp_evaluate(DP_ARGV)[0] < 1
+    for rank, result in enumerate(r["resume"] for r in two_processes):
+        assert torch.equal(result["straight"], result["resumed"]), rank
+        assert not torch.equal(result["straight"], result["initial"]), "RL should have moved the weights"
+    assert torch.equal(two_processes[0]["resume"]["straight"], two_processes[1]["resume"]["straight"])
