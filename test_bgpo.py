@@ -813,8 +813,8 @@ def dp_resume(out_dir):
     params, task = {}, scripted_task()
     for run, steps in (("straight", ["2"]), ("resumed", ["1", "2"])):
         for i, rl_steps in enumerate(steps):
-            args = bgpo.parse_args(DP_ARGV + ["--rl-steps", rl_steps, "--eval-every", "1", "--out-dir", out_dir,
-                                              "--run-name", run] + ["--resume"] * i)
+            args = bgpo.parse_args(DP_ARGV + ["--rl-steps", rl_steps, "--eval-every", "1", "--run-name", run,
+                                              "--out-dir", out_dir] + ["--resume"] * i)
             model = seeded_model(task, args)
             bgpo.run_rl(args, task, model)
             if dist.is_initialized():
@@ -822,6 +822,25 @@ def dp_resume(out_dir):
         params[run] = flat_params(model)
     params["initial"] = flat_params(seeded_model(task, args))
     return params
+
+def dp_syncs_of_one_bgpo_update(rank, sizes):
+    """The sizes of the gradient all-reduces in one BGPO update at n_t = 8 of the default model, on this
+    process's 8 rows: bgpo.py's (bgpo_backward, then average_gradients), and DDP's, which syncs at every
+    backward unless told no_sync (each bucket of the gradient once per backward)."""
+    args, task = bgpo.parse_args(["--device", "cpu"]), get_task("countdown")
+    x, y = bgpo.encode(task, *task.sample(8, "train", rank))
+    mc = draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank))
+    A = torch.tensor([1.0, -1.0] * 4)
+    model, ddp_syncs = seeded_model(task, args), []
+    sizes.clear()
+    bgpo.average_gradients(model, args, bgpo_backward(model, x, y, mc, None, A), 8)
+    ours = list(sizes)
+    ddp = torch.nn.parallel.DistributedDataParallel(seeded_model(task, args))
+    ddp.config = ddp.module.config   # what masked_log_likelihood reads
+    ddp.register_comm_hook(None, lambda state, bucket: ddp_syncs.append(bucket.buffer().numel()) or
+                           default_hooks.allreduce_hook(None, bucket))
+    bgpo_backward(ddp, x, y, mc, None, A)
+    return {"n_params": model.num_params(), "bgpo.py": ours, "DDP": ddp_syncs}
 
 def dp_worker(rank, port, out_dir):
     """One of two processes, as torchrun starts them (the environment), with gloo on the CPU."""
@@ -837,17 +856,7 @@ def dp_worker(rank, port, out_dir):
         argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{k}"]
         results[objective, k] = {**dp_rl_update(argv, setattr), "all_reduce_sizes": list(sizes)}
     results["sft"] = dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr)
-    # DDP syncs at every backward unless told no_sync: one BGPO update at n_t = 8 under it
-    task, syncs = get_task("arithmetic"), []
-    model = seeded_model(task, bgpo.parse_args(DP_ARGV))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp.config = model.config   # what masked_log_likelihood reads
-    ddp.register_comm_hook(None, lambda state, bucket: syncs.append(bucket.buffer().numel()) or
-                           default_hooks.allreduce_hook(None, bucket))
-    x, y = bgpo.encode(task, *task.sample(8, "train", rank))
-    mc = draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank))
-    bgpo_backward(ddp, x, y, mc, None, torch.tensor([1.0, -1.0] * 4))
-    results["ddp_per_sample_syncs"] = syncs
+    results["syncs"] = dp_syncs_of_one_bgpo_update(rank, sizes)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -894,17 +903,20 @@ def test_data_parallel_sft_steps_equal_one_process_on_the_whole_batch(two_proces
 
 def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two_processes):
     """One BGPO update at n_t = 8 on two processes: bgpo.py all-reduces the gradient once per optimizer
-    step (with --minibatches 2, once per mini-batch's update); DDP without no_sync would sync after each
-    of the 8 per-sample backwards (each bucket of the gradient once per backward)."""
-    n_params = len(two_processes[0]["sft"]["params"])
+    step (with --minibatches 2, once per mini-batch's update), in one buffer with the loss and the count of
+    informative rows; DDP without no_sync would sync the whole gradient after each of the 8 backwards."""
+    n_tiny = len(two_processes[0]["sft"]["params"])
     for result in two_processes:
-        # the gradient and 2 numbers (the loss and the count of informative rows) in one flat buffer
-        assert result["bgpo", 1]["all_reduce_sizes"] == [n_params + 2]
-        assert result["bgpo", 2]["all_reduce_sizes"] == [n_params + 2] * 2
-        syncs = result["ddp_per_sample_syncs"]
-        assert sum(syncs) == 8 * n_params, syncs   # the whole gradient, 8 times
-    print(f"\none BGPO update at n_t = 8, {n_params} parameters: bgpo.py all-reduces 1 buffer of "
-          f"{n_params + 2} numbers; DDP without no_sync {len(syncs)} ({sum(syncs)} numbers)")
+        assert result["bgpo", 1]["all_reduce_sizes"] == [n_tiny + 2]
+        assert result["bgpo", 2]["all_reduce_sizes"] == [n_tiny + 2] * 2
+        syncs = result["syncs"]
+        n = syncs["n_params"]
+        assert syncs["bgpo.py"] == [n + 2] and sum(syncs["DDP"]) == 8 * n, syncs
+    mb = lambda numbers: f"{4 * numbers / 1e6:.1f} MB in float32"
+    print(f"\none BGPO update at n_t = 8 of the default model ({n:,} parameters), 2 processes:\n"
+          f"  bgpo.py:           1 all-reduce, {n + 2:,} numbers ({mb(n + 2)})\n"
+          f"  DDP, no no_sync: {len(syncs['DDP'])} all-reduces (the gradient's buckets after each of 8 "
+          f"backwards), {sum(syncs['DDP']):,} numbers ({mb(sum(syncs['DDP']))})")
 
 def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on_every_process(tmp_path):
     """The real launcher, end to end on a tiny configuration; beside it, two processes started as torchrun

@@ -60,6 +60,8 @@ def check_args(p, args):
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
+    if args.world > 1:
+        p.error("the lab runs in one process (python -m lab...), not under torchrun")
     return args
 
 def command_line(main, prog):

@@ -179,7 +179,7 @@ def run_rl(args, task, model, pool=None):
         state = load_checkpoint(ckpt_path, task, model.config)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["rng"])
+        generator.set_state(state["rng"][0])   # bgpo.py saves one stream per process; the lab runs one
         start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
         print(f"resumed {ckpt_path} at step {state['step']}")
@@ -250,7 +250,7 @@ def run_rl(args, task, model, pool=None):
         if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line
             save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
                             config=asdict(model.config), step=step, model=model.state_dict(),
-                            optimizer=optimizer.state_dict(), rng=generator.get_state())
+                            optimizer=optimizer.state_dict(), rng=[generator.get_state()])
             saved = step
     return [r for r in records if "accuracy" in r]
 

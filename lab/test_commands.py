@@ -243,3 +243,11 @@ def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message)
         rl.parse_args(tiny_argv(tmp_path, *extra))
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+def test_the_lab_refuses_torchrun_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")                                 # as torchrun sets it
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        rl.parse_args(tiny_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not under torchrun" in err and err.count("\n") == 1, err
