@@ -825,15 +825,15 @@ def dp_resume(out_dir):
 
 def dp_syncs_of_one_bgpo_update(rank, sizes):
     """The sizes of the gradient all-reduces in one BGPO update at n_t = 8 of the default model, on this
-    process's 8 rows: bgpo.py's (bgpo_backward, then average_gradients), and DDP's, which syncs at every
+    process's 2 rows: bgpo.py's (bgpo_backward, then average_gradients), and DDP's, which syncs at every
     backward unless told no_sync (each bucket of the gradient once per backward)."""
     args, task = bgpo.parse_args(["--device", "cpu"]), get_task("countdown")
-    x, y = bgpo.encode(task, *task.sample(8, "train", rank))
-    mc = draw_mc_samples(8, task.gen_len, 8, torch.Generator().manual_seed(rank))
-    A = torch.tensor([1.0, -1.0] * 4)
+    x, y = bgpo.encode(task, *task.sample(2, "train", rank))
+    mc = draw_mc_samples(2, task.gen_len, 8, torch.Generator().manual_seed(rank))
+    A = torch.tensor([1.0, -1.0])
     model, ddp_syncs = seeded_model(task, args), []
     sizes.clear()
-    bgpo.average_gradients(model, args, bgpo_backward(model, x, y, mc, None, A), 8)
+    bgpo.average_gradients(model, args, bgpo_backward(model, x, y, mc, None, A), 2)
     ours = list(sizes)
     ddp = torch.nn.parallel.DistributedDataParallel(seeded_model(task, args))
     ddp.config = ddp.module.config   # what masked_log_likelihood reads
