@@ -223,7 +223,7 @@ TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
 
-# Data parallel (torchrun): args.world processes, a share of every batch each. With one, these do nothing.
+# Data parallel (torchrun): args.world processes, a share of every batch each. With one process, no-ops.
 
 def everyone(obj, args):
     """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
@@ -237,7 +237,7 @@ def average_gradients(model, args, *stats):
     optimizer step, after the last backward. BGPO's backward per MC sample accumulates .grad as micro-batches
     do; syncing after each (DDP's default, unless no_sync) would send n_t times the bytes for the same sum."""
     if args.world == 1:
-        return stats
+        return list(stats)
     params = list(model.parameters())
     flat = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten() for p in params]
                      + [params[0].new_tensor(stats)])
@@ -265,8 +265,8 @@ def held_out(task, args):
 def evaluate(model, task, prompts, args, n_show=3):
     """Greedy decoding: exact-solve rate (reward 1), mean reward, and n_show prompt -> completion lines:
     the first solved problem, if any, and the first unsolved ones."""
-    mine = prompts[args.rank::args.world]   # data parallel: each process answers its share
-    batch_size = len(mine) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
+    mine = prompts[args.rank::args.world]   # data parallel: each process answers its share, then all see all
+    batch_size = max(len(mine), 1) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
     texts = [task.decode(y) for i in range(0, len(mine), batch_size)
              for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
                                task.gen_len).cpu()]
@@ -305,7 +305,7 @@ def sft_path(args):
     """The SFT checkpoint's name records every setting that changes the kept model: --stage all reuses it."""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
-                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}.pt")
+                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{args.dp_suffix}.pt")
 
 def sft_batches(task, args, generator):
     """An endless stream of (x, y) SFT batches, random draws from the --demos demonstrations: training
@@ -333,12 +333,12 @@ def run_sft(args, task):
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
           + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(args.seed + 1000 * args.rank)  # data parallel: a stream each
+    generator = torch.Generator().manual_seed(args.seed + 1_000_000 * args.rank)  # a stream per process
     batches = sft_batches(task, args, generator)
     val_prompts = task.sample(args.val_size, "validation", 4321)[0]   # prompts only: the verifier scores
     best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
     for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False,
-                     disable=args.rank or None):   # rank 0's bar only
+                     disable=args.rank or None):   # rank 0's bar only (None: when on a terminal)
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
@@ -394,7 +394,7 @@ def run_rl(args, task, model):
     step's log record, and every --eval-every steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * args.rank)  # a stream per process
+    generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     if args.resume:
@@ -413,8 +413,9 @@ def run_rl(args, task, model):
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the log and the checkpoints
         os.makedirs(run_dir, exist_ok=True)
-        with open(log_path, "w") as f:
+        with open(log_path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(log_path + ".tmp", log_path)   # whole, for the other processes may be reading it to resume
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
@@ -446,8 +447,8 @@ def run_rl(args, task, model):
                     loss = naive_loss(model, *inputs, clip_eps)             # one graph over all n_t samples
                     loss.backward()
                     loss = loss.item()
-                loss, kept = average_gradients(model, args, loss, len(keep))   # over the processes
-                if not kept:  # every group tied (an Adam step without a gradient still moves the weights)
+                loss, kept = average_gradients(model, args, loss, len(keep))   # means over the processes
+                if not kept:  # no process kept a row (an Adam step without a gradient still moves weights)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
@@ -577,7 +578,9 @@ def check_args(p, args):
     task, k = get_task(args.task), f"_k{args.minibatches}" if args.minibatches > 1 else ""
     args.rank, args.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
-    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
+    args.dp_suffix = f"_{args.world}processes" if args.world > 1 else ""   # torchrun: other draws, other run
+    args.run_name = args.run_name or (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
+                                      + args.dp_suffix)
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     for ok, message in [
             (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
@@ -622,9 +625,9 @@ def main(argv=None):
     task, t0 = get_task(args.task), time.time()
     if args.world > 1:  # under torchrun; after every check of the flags, so that a bad one never hangs
         if args.device.startswith("cuda"):
-            torch.cuda.set_device(args.device)
+            torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-        sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice: rank 0 prints
+        sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice (errors: every one)
     if args.bench_memory:
         return bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's

@@ -733,9 +733,11 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
 DP_ARGV = ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--device", "cpu",
            "--prompts-per-step", "8", "--group-size", "2", "--mc-samples", "8", "--rl-steps", "1",
            "--eval-size", "3", "--val-size", "3", "--sft-steps", "2", "--sft-eval-every", "2"]
-DP_CASES = [("bgpo", 1), ("naive", 1), ("bgpo", 2), ("naive", 2)]
-# groups 2 and 3 tie: with --minibatches 2, process 1's first mini-batch is those two, without a gradient
+DP_CASES = [("bgpo", 1), ("naive", 1), ("bgpo", 2), ("naive", 2), ("bgpo", 4)]
+# groups 2 and 3 tie: with --minibatches 2, process 1's first mini-batch is those two, without a gradient;
+# with --minibatches 4, the second mini-batch is those two on both processes: no step at all
 DP_REWARDS = [1, 0, .5, 0, 0, 0, 1, 1, 0, 1, .2, .1, 1, 0, 0, .5]
+DP_STEPS = {1: 1, 2: 2, 4: 3}   # optimizer steps of one RL step, by --minibatches
 CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 
 def dp_rows(args, n_rows, minibatches):
@@ -802,11 +804,30 @@ def scripted_task():
     task.reward = lambda prompt, completion: [0.0, 0.5, 1.0][sum(map(ord, prompt + completion)) % 3]
     return task
 
-def dp_evaluate(argv):
-    """evaluate on 11 problems: each process answers its share, every process gets every score."""
-    args, task = bgpo.parse_args(argv), scripted_task()
+def dp_evaluate(argv, setattr):
+    """evaluate on 11 problems: the rows this process decodes, and the accuracy and mean reward it gets."""
+    args, task, decoded, generate = bgpo.parse_args(argv), scripted_task(), [], bgpo.generate
+    setattr(bgpo, "generate", lambda model, x, *a, **k: decoded.append(len(x)) or generate(model, x, *a, **k))
     result = bgpo.evaluate(seeded_model(task, args), task, task.sample(11, "test", 0)[0], args)
-    return result["accuracy"], result["reward"]
+    return sum(decoded), result["accuracy"], result["reward"]
+
+def dp_first_batches(argv, setattr):
+    """The first SFT batch and the first RL prompts this process draws (run_sft's and run_rl's own draws)."""
+    args, task, seen = bgpo.parse_args(argv + ["--sft-steps", "1"]), scripted_task(), {}
+    sft_loss, sample_rollouts = bgpo.sft_loss, bgpo.sample_rollouts
+
+    def watched_sft_loss(model, x, y, **kwargs):
+        seen.setdefault("sft", x)
+        return sft_loss(model, x, y, **kwargs)
+
+    def watched_sample_rollouts(model, task, prompts, *args):
+        seen.setdefault("rl", prompts)
+        return sample_rollouts(model, task, prompts, *args)
+
+    setattr(bgpo, "sft_loss", watched_sft_loss)
+    setattr(bgpo, "sample_rollouts", watched_sample_rollouts)
+    bgpo.run_rl(args, task, bgpo.run_sft(args, task))
+    return seen
 
 def dp_resume(out_dir):
     """Two RL steps in one go, and one step then --resume for the second: the parameters after each."""
@@ -843,20 +864,27 @@ def dp_syncs_of_one_bgpo_update(rank, sizes):
     return {"n_params": model.num_params(), "bgpo.py": ours, "DDP": ddp_syncs}
 
 def dp_worker(rank, port, out_dir):
-    """One of two processes, as torchrun starts them (the environment), with gloo on the CPU."""
+    """One of two processes, as torchrun starts them (the environment), with gloo on the CPU. Each part runs
+    with its own patches (undone after it); sizes records the number of elements of every all_reduce."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # a hang fails the test
-    results = {"evaluate": dp_evaluate(DP_ARGV), "resume": dp_resume(f"{out_dir}/resume")}
-    sizes, all_reduce = [], dist.all_reduce   # the number of elements of every all_reduce
+    sizes, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda tensor, *a, **k: sizes.append(tensor.numel()) or all_reduce(tensor, *a, **k)
+    results = {"resume": dp_resume(f"{out_dir}/resume")}
+    parts = {"evaluate": lambda setattr: dp_evaluate(DP_ARGV, setattr),
+             "first batches": lambda setattr: dp_first_batches(DP_ARGV + ["--out-dir", out_dir], setattr),
+             "sft": lambda setattr: dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr),
+             "syncs": lambda setattr: dp_syncs_of_one_bgpo_update(rank, sizes)}
     for objective, k in DP_CASES:
-        sizes.clear()
         argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{k}"]
-        results[objective, k] = {**dp_rl_update(argv, setattr), "all_reduce_sizes": list(sizes)}
-    results["sft"] = dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr)
-    results["syncs"] = dp_syncs_of_one_bgpo_update(rank, sizes)
+        parts[objective, k] = lambda setattr, argv=argv: {**dp_rl_update(argv, setattr),
+                                                          "all_reduce_sizes": list(sizes)}
+    for name, part in parts.items():
+        with pytest.MonkeyPatch.context() as patch:
+            sizes.clear()
+            results[name] = part(patch.setattr)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -882,7 +910,7 @@ def test_data_parallel_rl_update_equals_one_process_on_the_whole_batch(two_proce
     rank 0, is over both processes' rollouts."""
     argv = DP_ARGV + ["--objective", objective, "--minibatches", str(minibatches), "--out-dir", str(tmp_path)]
     one = dp_rl_update(argv, monkeypatch.setattr)
-    assert len(one["grads"]) == minibatches
+    assert len(one["grads"]) == DP_STEPS[minibatches]
     for rank, result in enumerate(r[objective, minibatches] for r in two_processes):
         assert relative_difference(result["params"], one["params"]) <= 1e-10, rank
         for step, (g_dp, g_one) in enumerate(zip(result["grads"], one["grads"], strict=True)):
@@ -909,6 +937,7 @@ def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two
     for result in two_processes:
         assert result["bgpo", 1]["all_reduce_sizes"] == [n_tiny + 2]
         assert result["bgpo", 2]["all_reduce_sizes"] == [n_tiny + 2] * 2
+        assert result["bgpo", 4]["all_reduce_sizes"] == [n_tiny + 2] * 4   # one mini-batch then makes no step
         syncs = result["syncs"]
         n = syncs["n_params"]
         assert syncs["bgpo.py"] == [n + 2] and sum(syncs["DDP"]) == 8 * n, syncs
@@ -933,7 +962,7 @@ def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
-    run_dir = tmp_path / "arithmetic_bgpo_nt8_seed0"
+    run_dir = tmp_path / "arithmetic_bgpo_nt8_seed0_2processes"   # not a one-process run's name: other draws
     assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
     for process in bad:
@@ -941,14 +970,21 @@ def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on
         assert process.returncode == 2 and err.count("\n") == 1, err
         assert "2 processes x --minibatches 1 must divide --prompts-per-step 3" in err, err
 
-def test_data_parallel_evaluation_scores_every_problem_once_and_resume_restores_every_stream(two_processes,
-                                                                                                tmp_path):
-    """Held-out evaluation, each process answering its share, gives one process's accuracy and reward;
-    --resume under two processes gives the run that was never interrupted (each process's random stream is
-    in the checkpoint)."""
-    args = bgpo.parse_args(DP_ARGV)
-    assert dp_evaluate(DP_ARGV) == two_processes[0]["evaluate"] == two_processes[1]["evaluate"]
-    assert 0 < dp_evaluate(DP_ARGV)[0] < 1
+def test_data_parallel_processes_draw_their_own_shares_and_evaluate_a_share_each(two_processes, monkeypatch):
+    """run_sft and run_rl's own draws: each process trains on SFT_BATCH / 2 demonstrations and samples
+    --prompts-per-step / 2 prompts, not the other's; held-out evaluation decodes 6 and 5 of 11 problems on the
+    two processes and gives one process's accuracy and mean reward."""
+    first = [r["first batches"] for r in two_processes]
+    assert [len(f["sft"]) for f in first] == [bgpo.SFT_BATCH // 2] * 2
+    assert not torch.equal(first[0]["sft"], first[1]["sft"])
+    assert [len(f["rl"]) for f in first] == [4, 4] and not set(first[0]["rl"]) & set(first[1]["rl"])
+    decoded, accuracy, reward = dp_evaluate(DP_ARGV, monkeypatch.setattr)
+    assert decoded == 11 and 0 < accuracy < 1
+    assert [r["evaluate"] for r in two_processes] == [(6, accuracy, reward), (5, accuracy, reward)]
+
+def test_data_parallel_resume_restores_every_processs_random_stream(two_processes):
+    """--resume under two processes gives the run that was never interrupted: the checkpoint has each
+    process's random stream (sampling from rank 0's on both would draw other rollouts on rank 1)."""
     for rank, result in enumerate(r["resume"] for r in two_processes):
         assert torch.equal(result["straight"], result["resumed"]), rank
         assert not torch.equal(result["straight"], result["initial"]), "RL should have moved the weights"
