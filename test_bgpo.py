@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -706,11 +707,13 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
-def test_a_missing_checkpoint_exits_2_with_one_line_from_the_command_line(tmp_path):
-    out = subprocess.run([sys.executable, "bgpo.py", "--prompt", "15,4,1:64", "--out-dir", str(tmp_path)],
-                         capture_output=True, text=True, cwd=bgpo.__file__.rsplit("/", 1)[0], timeout=60)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert "no checkpoint at" in out.stderr, out.stderr
+def test_a_missing_checkpoint_exits_2_with_one_line_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """bgpo.py run as a script (its __main__ block, in this process): one line on stderr and exit code 2."""
+    monkeypatch.setattr(sys, "argv", ["bgpo.py", "--prompt", "15,4,1:64", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(bgpo.__file__, run_name="__main__")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "no checkpoint at" in err, err
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     real, updates = bgpo.bgpo_backward, []
@@ -947,28 +950,35 @@ def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two
           f"  DDP, no no_sync: {len(syncs['DDP'])} all-reduces (the gradient's buckets after each of 8 "
           f"backwards), {sum(syncs['DDP']):,} numbers ({mb(sum(syncs['DDP']))})")
 
-def test_torchrun_runs_sft_and_rl_with_one_voice_and_a_bad_world_size_exits_2_on_every_process(tmp_path):
-    """The real launcher, end to end on a tiny configuration; beside it, two processes started as torchrun
-    starts them, with a world size of 2 that does not divide --prompts-per-step 3: each exits 2 with one
-    line, before any collective (no process waits for the other)."""
+def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
+    """The real launcher, end to end on a tiny configuration: rank 0 alone prints and writes."""
     argv = DP_ARGV + ["--sft-steps", "2", "--rl-steps", "2", "--eval-every", "1", "--out-dir", str(tmp_path)]
-    env, cwd = {**os.environ, "OMP_NUM_THREADS": "1"}, os.path.dirname(bgpo.__file__)
-    bad = [subprocess.Popen([sys.executable, "bgpo.py", *argv, "--prompts-per-step", "3"], cwd=cwd, text=True,
-                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "bgpo.py", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bgpo.py"]
+    run = subprocess.run(torchrun + argv, cwd=os.path.dirname(bgpo.__file__), capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
     run_dir = tmp_path / "arithmetic_bgpo_nt8_seed0_2processes"   # not a one-process run's name: other draws
     assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
-    for process in bad:
-        _, err = process.communicate(timeout=30)
-        assert process.returncode == 2 and err.count("\n") == 1, err
-        assert "2 processes x --minibatches 1 must divide --prompts-per-step 3" in err, err
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("extra, message", [
+    (["--prompts-per-step", "3"], "2 processes x --minibatches 1 must divide --prompts-per-step 3"),
+    (["--prompts-per-step", "2", "--minibatches", "2"], "2 processes x --minibatches 2 must divide"),
+])
+def test_a_bad_world_size_exits_2_with_one_line_on_every_process_before_any_collective(
+        tmp_path, capsys, monkeypatch, rank, extra, message):
+    """What each process that torchrun starts does first (main parses the flags before it joins the others):
+    with a world size the flags do not divide into, it exits, so no process waits for another."""
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(SystemExit) as e:
+        bgpo.main(tiny_argv(tmp_path, *extra))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not dist.is_initialized()
 
 def test_data_parallel_processes_draw_their_own_shares_and_evaluate_a_share_each(two_processes, monkeypatch):
     """run_sft and run_rl's own draws: each process trains on SFT_BATCH / 2 demonstrations and samples
