@@ -953,7 +953,8 @@ def test_bgpo_syncs_gradients_once_per_optimizer_step_not_once_per_mc_sample(two
 def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     """The real launcher, end to end on a tiny configuration: rank 0 alone prints and writes."""
     argv = DP_ARGV + ["--sft-steps", "2", "--rl-steps", "2", "--eval-every", "1", "--out-dir", str(tmp_path)]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bgpo.py"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run",   # the torchrun command
+                "--standalone", "--nproc_per_node=2", "bgpo.py"]
     run = subprocess.run(torchrun + argv, cwd=os.path.dirname(bgpo.__file__), capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
