@@ -270,8 +270,8 @@ def evaluate(model, task, prompts, args, n_show=3):
     texts = [task.decode(y) for i in range(0, len(mine), batch_size)
              for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
                                task.gen_len).cpu()]
-    prompts, texts = [sum(share, []) for share in zip(*everyone([mine, texts], args))]
-    rewards = [task.reward(prompt, text) for prompt, text in zip(prompts, texts)]
+    rewards = [task.reward(prompt, text) for prompt, text in zip(mine, texts)]
+    prompts, texts, rewards = [sum(share, []) for share in zip(*everyone([mine, texts, rewards], args))]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
     shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
