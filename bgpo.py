@@ -28,11 +28,13 @@ Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size
 (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -283,6 +285,22 @@ def save_checkpoint(path, **state):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+def describe_run(args):
+    """What made a run, for its folder's run.json: the command, every flag, the code and the machine."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
+            "device": args.device, "threads": torch.get_num_threads(), "processes": args.world,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
 def load_checkpoint(path, task, config=None):
     """Load a checkpoint, checking that it was made for this task, tokenizer and model config (if given)."""
     if not os.path.isfile(path):
@@ -413,6 +431,8 @@ def run_rl(args, task, model):
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the log and the checkpoints
         os.makedirs(run_dir, exist_ok=True)
+        if not args.resume:
+            write_json(os.path.join(run_dir, "run.json"), describe_run(args))
         with open(log_path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         os.replace(log_path + ".tmp", log_path)   # whole, for the other processes may be reading it to resume
@@ -545,6 +565,7 @@ def make_parser():
     a("--out-dir", default="out", help="where checkpoints and logs go")
     a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS)")
     a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
+    a("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
     a("--prompt", default=None, help='the latest model of the run answers this problem, e.g. "15,4,1:64"')
     # the model
@@ -580,7 +601,7 @@ def check_args(p, args):
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     args.dp_suffix = f"_{args.world}processes" if args.world > 1 else ""   # torchrun: other draws, other run
     args.run_name = args.run_name or (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
-                                      + args.dp_suffix)
+                                      + args.dp_suffix + settings_hash(p, args))
     ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     for ok, message in [
             (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
@@ -608,6 +629,20 @@ def check_args(p, args):
     except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
         p.error(f"--device {args.device} is not available here")
     return args
+
+# The flags that name a run in words, and those that change where it is written or how it is read, not what
+# it computes; every other flag that differs from its default goes into the run's name as a hash.
+IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
+NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
+
+def settings_hash(p, args):
+    """"_" and a short hash of every other flag that differs from its default ("" if none): two commands that
+    would compute different runs never share a folder (--demos 200 and --rl-steps 500 each get their own)."""
+    given = {**vars(args), "demos": DEMOS[args.task] if args.demos is None else args.demos}
+    defaults = {**vars(p.parse_args([])), "demos": DEMOS[args.task]}
+    changed = {name: value for name, value in sorted(given.items()) if name in defaults
+               and name not in IN_WORDS + NOT_RESULTS and value != defaults[name]}
+    return "_" + hashlib.sha1(repr(changed).encode()).hexdigest()[:6] if changed else ""
 
 def parse_args(argv=None):
     p = make_parser()
@@ -640,6 +675,11 @@ def main(argv=None):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     print(f"task {task.name} | device {args.device} | seed {args.seed}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
+                                                                                           args.overwrite):
+        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
+                       f"new one, --overwrite replaces it")
     model = sft_model(args, task)
     if args.stage == "sft":
         return model
@@ -650,10 +690,16 @@ def main(argv=None):
     return history
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except RunError as e:  # a missing or wrong checkpoint, a diverged run
+    except RunError as e:  # a missing or wrong checkpoint, a diverged run: the same on every process
         print(f"bgpo.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    if dist.is_initialized():
+        # Leave together: rank 0 may still be writing its files while the others are done. A process that
+        # tears down its connections while another still uses them can abort it (gloo: "terminate called").
+        # Any other exception skips this and exits non-zero at once; torchrun then stops the others.
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(code)

@@ -542,7 +542,7 @@ def test_the_sft_checkpoint_name_changes_with_every_setting_of_sft(tmp_path):
 def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))
     assert [h["step"] for h in history] == [0, 1, 2]
-    run = tmp_path / f"arithmetic_{objective}_nt4_seed0"
+    run = tmp_path / bgpo.parse_args(tiny_argv(tmp_path, "--objective", objective)).run_name
     records = read_log(run / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and (run / "ckpt.pt").exists()
     assert records[0]["accuracy"] == history[0]["accuracy"], "step 0 is the SFT model's evaluation"
@@ -677,7 +677,7 @@ def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
     capsys.readouterr()
     answer = bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1", "--prompt", "12+30="))
     out = capsys.readouterr().out
-    ckpt = str(tmp_path / "arithmetic_bgpo_nt4_seed0" / "ckpt.pt")
+    ckpt = str(tmp_path / bgpo.parse_args(tiny_argv(tmp_path, "--rl-steps", "1")).run_name / "ckpt.pt")
     assert f"12+30= -> {answer} -> reward " in out and ckpt in out and "how the sampler writes 12+30=" in out
     reward = float(out.split(f"12+30= -> {answer} -> reward ")[1].split()[0])
     assert reward == get_task("arithmetic").reward("12+30=", answer)
@@ -727,7 +727,8 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
     monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.ones(len(rewards)))
     with pytest.raises(bgpo.RunError, match="at RL step 2.*step 1"):
         bgpo.main(tiny_argv(tmp_path, "--rl-steps", "3"))
-    kept = torch.load(tmp_path / "arithmetic_bgpo_nt4_seed0" / "ckpt.pt", weights_only=True)
+    kept = torch.load(tmp_path / bgpo.parse_args(tiny_argv(tmp_path, "--rl-steps", "3")).run_name / "ckpt.pt",
+                      weights_only=True)
     assert kept["step"] == 1
 
 # -----------------------------------------------------------------------------
@@ -960,7 +961,9 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
-    run_dir = tmp_path / "arithmetic_bgpo_nt8_seed0_2processes"   # not a one-process run's name: other draws
+    run_dir = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(run_dir) == 1 and "_2processes_" in run_dir[0].name, run_dir   # not a one-process run's name
+    run_dir = run_dir[0]
     assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
 

@@ -59,8 +59,10 @@ def draw(figure, png_path):
     fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(width, 3.3), squeeze=False)
     for ax, panel in zip(axes[0], figure["panels"]):
         for line in panel["lines"]:
-            ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"],
-                    alpha=line.get("alpha", 1.0), markersize=3)
+            drawn, = ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"],
+                             alpha=line.get("alpha", 1.0), markersize=3)
+            if "band" in line:   # (low, high): an interval around the line, in its colour
+                ax.fill_between(line["x"], *line["band"], color=drawn.get_color(), alpha=0.15, linewidth=0)
         ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"),
                yscale=panel.get("yscale", "linear"))
         ax.set_title(panel["title"], fontsize=9)

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from bgpo import (MCSamples, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms, log_ratio,
-                  naive_loss, naive_objective, ppo_clip, reward_groups)
+from bgpo import (MCSamples, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms,
+                  group_advantages, log_ratio, naive_loss, naive_objective, ppo_clip, reward_groups)
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors,
                             token_log_probs)
@@ -42,7 +42,7 @@ def diffu_grpo_loss(model, prompts, completions, prompt_mask, old_logp, advantag
     estimate of each token, log p(y^i | x~, completion all MASK), where x~ is the prompt masked at
     prompt_mask (B, P) bool, the same mask for the old and the current policy. old_logp (B, L).
     Departures from d1: 1. group_advantages (z-scored) by default; d1 divides by nothing
-    (d1_advantages, python -m lab.rl --d1-advantages, restores it). 2. No KL term (d1: beta 0.04).
+    (d1_advantages, python -m lab.rl --advantages no-std, restores it). 2. No KL term (d1: beta 0.04).
     3. mu = 4 inner updates by default (d1: 12). 4. Every completion position counts (d1 stops at the
     first EOS)."""
     if tuple(prompt_mask.shape) != tuple(prompts.shape):
@@ -301,6 +301,15 @@ def d1_advantages(rewards, group_size):
     """d1's advantage: the reward minus its group's mean, not divided by the group's std."""
     r = reward_groups(rewards, group_size)
     return (r - r.mean(1, keepdim=True)).flatten()
+
+def rft_advantages(rewards, group_size):
+    """Rejection-sampling fine-tuning (RFT; STaR, filtered behaviour cloning) as an advantage: 1 for a solved
+    rollout (reward 1), 0 for the rest. With it an ELBO objective is the SFT loss on the policy's own solved
+    answers: no group baseline, no negative advantage."""
+    return (reward_groups(rewards, group_size) == 1.0).to(rewards.dtype).flatten()
+
+# --advantages of python -m lab.rl: rewards (B,) of consecutive groups -> advantages (B,)
+ADVANTAGES = {"group": group_advantages, "no-std": d1_advantages, "rft": rft_advantages}
 
 def stp_prior(task, prompts):
     """STP's static prior as generate's prior=: (B, L) token ids, MASK at the free positions. On

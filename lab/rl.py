@@ -15,8 +15,11 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    (--mc-samples) and early stop 0.75 (--stp-tau).
 2. Options: the lab's flags (lab/cli.py: --temperature, --neg-weight, --rl-lr, --rl-warmup, --clip-eps,
    --updates-per-batch, --gen-steps, --block-len), --remasking random (rollouts whose exact policy
-   gradient is known), --d1-advantages, --no-anchors, --rl-pool N (practise on a fixed pool of N training
-   problems and report the accuracy on them beside the held-out one).
+   gradient is known), --advantages (Eq. 18's z-score; d1's reward minus the group mean; or rejection-
+   sampling fine-tuning's 1 for a solved rollout and 0 otherwise), --reward solved (the task's reward
+   without its 0.1 for a well-formed wrong answer), --no-anchors, --rl-pool N (practise on a fixed pool of
+   N training problems and report the accuracy on them beside the held-out one), --final-eval-size N (the
+   SFT model and the final one on N held-out problems, in final.json: the sweep's table reads it).
 3. Diagnostics in log.jsonl: the update is built in two parts, the rows with A > 0 and those with
    A < 0 (each part's A scaled by its share of the rows, so they add up to the same step), logged as
    grad_pos, grad_neg and their cosine cos_pos_neg; the policy's first-step prediction entropy; the
@@ -24,6 +27,7 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    Splitting the update changes the float summation order, so a run here differs from bgpo.py's by
    rounding, not by what it computes.
 """
+import argparse
 import dataclasses
 import json
 import math
@@ -38,7 +42,7 @@ import bgpo
 from bgpo import ActivationMemory, RunError, held_out, load_checkpoint, save_checkpoint
 from lab import cli
 from lab.figures import curves_figure, draw, read_log
-from lab.objectives import OBJECTIVES, d1_advantages, flat_grad, rows_of, sampler_options
+from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of, sampler_options
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, get_task, parse_expression
 
@@ -63,29 +67,39 @@ def make_parser():
       help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place "
            "(None: 0.75 with --objective stp)")
     a("--no-anchors", action="store_true", help="STP without its spatial pruning (anchors), for the ablation")
-    a("--d1-advantages", action="store_true",
-      help="diffu-grpo with d1's advantage, reward minus group mean, instead of Eq. 18's z-score")
+    a("--advantages", choices=list(ADVANTAGES), default="group",
+      help="group: Eq. 18's z-score; no-std: the reward minus the group mean (d1's); rft: 1 for a solved "
+           "rollout, 0 otherwise (rejection-sampling fine-tuning)")
+    a("--reward", choices=["task", "solved"], default="task",
+      help="what the advantages read: the task's reward, or 1 for a solved problem and 0 otherwise")
+    a("--final-eval-size", type=int, default=0,
+      help="held-out problems on which the SFT model and the final one are scored into final.json; 0: none")
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
       help="which positions a rollout step commits: the most confident, or uniformly random ones")
     a("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0: fresh ones")
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(None: task_objective[_ntM][_tauT][_noanchors][_d1adv][_random][_uU][_kK][_poolN]_seedS)")
+           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_uU][_kK][_poolN]_seedS"
+           "[_HASH], HASH: of every other flag that differs from its default)")
     return p
 
 def parse_args(argv=None):
     p = make_parser()
     args = p.parse_args(argv)
+    # before the objective's own defaults are filled in: a flag given at its default is not a change
+    not_results = ("plot", "bench_repeats", "final_eval_size")   # they change what is shown, not the run
+    settings = bgpo.settings_hash(p, argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                                           if k not in not_results}))
     for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"),
-                                   ("--no-anchors", args.no_anchors, "stp"),
-                                   ("--d1-advantages", args.d1_advantages, "diffu-grpo")):
+                                   ("--no-anchors", args.no_anchors, "stp")):
         if given and args.objective != objective:
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
-    if args.rl_pool < 0:
-        p.error(f"--rl-pool must be an integer >= 0, got {args.rl_pool}")
+    for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size)):
+        if value < 0:
+            p.error(f"{flag} must be an integer >= 0, got {value}")
     stp = args.objective == "stp"
     for name, default in (("stp_tau", 0.75 if stp else None), ("mc_samples", 3 if stp else MC_SAMPLES),
                           ("updates_per_batch", 4 if args.objective in FIELD else 1),
@@ -100,11 +114,13 @@ def parse_args(argv=None):
     # bgpo.py's run name, with the lab's options; the others draw no masked copies
     estimator = f"_nt{args.mc_samples}" if args.objective in ELBO + ("stp",) else ""
     options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
-        ("_d1adv" if args.d1_advantages else "") + ("_random" if args.remasking == "random" else "")
+        (f"_{args.advantages}" if args.advantages != "group" else "") + \
+        ("_solved" if args.reward == "solved" else "") + ("_random" if args.remasking == "random" else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
                                       f"{f'_u{args.updates_per_batch}' if args.updates_per_batch > 1 else ''}"
                                       f"{f'_k{args.minibatches}' if args.minibatches > 1 else ''}"
-                                      f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}")
+                                      f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}"
+                                      + settings)
     return cli.check_args(p, args)
 
 def valid(task, prompt, completion):
@@ -188,8 +204,11 @@ def run_rl(args, task, model, pool=None):
         start, records = 1, [{"step": 0}]
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool))
     os.makedirs(run_dir, exist_ok=True)
-    with open(log_path, "w") as f:
+    if not args.resume:
+        bgpo.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
+    with open(log_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(log_path + ".tmp", log_path)
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
@@ -201,8 +220,10 @@ def run_rl(args, task, model, pool=None):
             prompts = task.sample(args.prompts_per_step, "train", generator)[0]
         batch = sample_rollouts(model, task, prompts, G, args, generator,
                                 **sampler_options(task, prompts, args))
+        rollout_seconds = time.time() - t0
         # 2. the verifier's rewards (batch.rewards) -> 3. advantages (Eq. 18, or d1's)
-        A = (d1_advantages if args.d1_advantages else bgpo.group_advantages)(batch.rewards, G).to(args.device)
+        scored = (batch.rewards == 1.0).to(batch.rewards) if args.reward == "solved" else batch.rewards
+        A = ADVANTAGES[args.advantages](scored, G).to(args.device)
         A = torch.where(A < 0, args.neg_weight * A, A)                              # (B,)
         # 4. the objective's draws, fixed for the batch (BGPO's: n_t masked copies, and old_terms off-policy)
         state = objective.prepare(model, batch, args, generator)
@@ -227,9 +248,14 @@ def run_rl(args, task, model, pool=None):
                     optimizer.step()
                     losses.append(loss)
         rewards, groups = batch.rewards, batch.rewards.view(-1, G)
+        solved, unsolved = (groups == 1).any(1), (groups < 1).all(1)    # (B / G,): with a solve, without
+        mixed = groups.amax(1) > groups.amin(1)
         records.append(r := {"step": step, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
-                             "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
+                             "mixed_groups": mixed.double().mean().item(),
+                             # the groups whose signal is a solve; those that differ by partial credit only
+                             "solve_groups": (solved & mixed).double().mean().item(),
+                             "credit_only_groups": (unsolved & mixed).double().mean().item(),
                              "solved": (rewards == 1.0).double().mean().item(),
                              "valid": sum(map(valid, [task] * B, batch.prompts, batch.texts)) / B,
                              "loss": sum(losses) / len(losses) if losses else 0.0,
@@ -237,7 +263,7 @@ def run_rl(args, task, model, pool=None):
                              "entropy": prediction_entropy(model, batch.x, task.gen_len),
                              "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,  # 0: no step
                              "rollout_passes": int(batch.commit_steps.max()) + 1,
-                             "seconds": time.time() - t0})
+                             "rollout_seconds": rollout_seconds, "seconds": time.time() - t0})
         stats.clear()
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
@@ -279,19 +305,38 @@ def main(argv=None):
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
+                                                                                           args.overwrite):
+        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
+                       f"new one, --overwrite replaces it")
     model = bgpo.sft_model(args, task)
     if args.stage == "sft":
         return model
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
     history = run_rl(args, task, model, pool)
-    run_dir = os.path.join(args.out_dir, args.run_name)
     print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
           f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
           f"files: {bgpo.sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")
+    if args.final_eval_size:
+        final_evaluation(model, task, args, run_dir, history[-1]["step"])
     if args.plot:
         draw(curves_figure({args.run_name: read_log(os.path.join(run_dir, "log.jsonl"))}),
              os.path.join(run_dir, "curves.png"))
     return history
+
+def final_evaluation(model, task, args, run_dir, step):
+    """The SFT model and the final one on the first --final-eval-size held-out problems (more than the
+    progress evaluations' --eval-size, for a smaller sampling error), written to the run's final.json."""
+    prompts = task.sample(args.final_eval_size, "test", 1234)[0]
+    sft = evaluate(bgpo.load_model(bgpo.sft_path(args), task, args), task, prompts, args, n_show=0)
+    final = evaluate(model, task, prompts, args, n_show=0)
+    result = {"run": args.run_name, "step": step, "size": len(prompts), "sft_accuracy": sft["accuracy"],
+              "accuracy": final["accuracy"], "sft_reward": sft["reward"], "reward": final["reward"]}
+    bgpo.write_json(os.path.join(run_dir, "final.json"), result)
+    print(f"on {len(prompts)} held-out problems: SFT model {sft['accuracy']:.1%}, step {step} "
+          f"{final['accuracy']:.1%} ({os.path.join(run_dir, 'final.json')})")
+    return result
 
 if __name__ == "__main__":
     cli.command_line(main, "python -m lab.rl")

@@ -20,7 +20,7 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         p.error(f"no RL log at {os.path.join(run_dir, 'log.jsonl')}")
     sft = bgpo.load_checkpoint(bgpo.sft_path(args), get_task(args.task))
-    control = os.path.join(run_dir, "control.jsonl")
+    control = os.path.join(run_dir + "_sft-continued", "log.jsonl")
     figure = stages_figure(sft["curve"], read_log(os.path.join(run_dir, "log.jsonl")),
                            read_log(control) if os.path.isfile(control) else None)
     return draw({**figure, "width": 6.4}, os.path.join(run_dir, args.png))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bgpo
-from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, offpolicy, rl,
-                 sampler, stages)
+from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, objectives,
+                 offpolicy, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 
@@ -19,7 +19,7 @@ from tasks import get_task
 def shared_out(tmp_path_factory):
     return tmp_path_factory.mktemp("field")
 
-@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--d1-advantages"]),
+@pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--advantages", "no-std"]),
                                               ("stp", ["--stp-tau", "0.5"]),
                                               ("dtrpo", [])])
 def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
@@ -27,8 +27,10 @@ def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra)
     # they only need to run
     history = rl.main(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra))
     assert [h["step"] for h in history] == [0, 1, 2]
-    run = {"diffu-grpo": "diffu-grpo_d1adv_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
-    records = figures.read_log(tmp_path / f"arithmetic_{run}_seed0" / "log.jsonl")
+    name = rl.parse_args(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra)).run_name
+    run = {"diffu-grpo": "diffu-grpo_no-std_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
+    assert name.startswith(f"arithmetic_{run}_seed0_"), name     # and a hash of the tiny sizes
+    records = figures.read_log(tmp_path / name / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     passes = [r["rollout_passes"] for r in records[1:]]
     assert passes == ([3, 3] if objective == "stp" else [4, 4]), (
@@ -38,12 +40,13 @@ def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_
                                                                                      monkeypatch):
     """python -m lab.rl --minibatches 2 with each objective of the lemma ablation: the two-pass naive run
     ends at the one-graph naive run's weights (float64), each lemma alone somewhere else."""
-    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    monkeypatch.setitem(objectives.ADVANTAGES, "group", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
     weights = {}
     for objective in ("naive", "naive-two-pass", "lemma1-only", "lemma2-only", "bgpo"):
-        rl.main(tiny_argv(shared_out, "--objective", objective, "--sft-steps", "30", "--minibatches", "2",
-                          "--rl-lr", "1e-2"))
-        path = shared_out / f"arithmetic_{objective}_nt4_k2_seed0" / "ckpt.pt"
+        argv = tiny_argv(shared_out, "--objective", objective, "--sft-steps", "30", "--minibatches", "2",
+                         "--rl-lr", "1e-2")
+        rl.main(argv)
+        path = shared_out / rl.parse_args(argv).run_name / "ckpt.pt"
         state = torch.load(path, weights_only=True)["model"]
         weights[objective] = torch.cat([w.flatten() for w in state.values()])
     gap = {name: (w - weights["naive"]).abs().max().item() for name, w in weights.items()}
@@ -65,8 +68,9 @@ def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_
             assert r["BGPO"][0] > 1e-6 and r["BGPO"][1] < 1 - 1e-12, (start, r)
 
 def test_the_trajectory_control_runs_from_the_cli_and_logs_what_the_rollouts_are(tmp_path):
-    rl.main(tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5"))
-    records = figures.read_log(tmp_path / "arithmetic_trajectory_random_seed0" / "log.jsonl")
+    argv = tiny_argv(tmp_path, "--objective", "trajectory", "--remasking", "random", "--neg-weight", "0.5")
+    rl.main(argv)
+    records = figures.read_log(tmp_path / rl.parse_args(argv).run_name / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert 0 <= r["valid"] <= 1 and 0 <= r["solved"] <= 1 and r["entropy"] > 0 and r["grad_pos"] >= 0
@@ -80,18 +84,20 @@ def test_rl_pool_practises_only_on_its_problems_and_reports_their_accuracy(tmp_p
         return real(task, prompts, answers, device)
 
     monkeypatch.setattr(sampler, "encode", recording_encode)
-    rl.main(tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5"))
+    argv = tiny_argv(tmp_path, "--rl-pool", "3", "--rl-steps", "3", "--eval-size", "5")
+    rl.main(argv)
     pool, _ = get_task("arithmetic").sample(3, "train", 0 + 2)           # seed + 2, as run_rl draws it
     assert len(rollout_prompts) == 3 * 8 and set(rollout_prompts) <= set(pool)
-    records = figures.read_log(tmp_path / "arithmetic_bgpo_nt4_pool3_seed0" / "log.jsonl")
+    records = figures.read_log(tmp_path / rl.parse_args(argv).run_name / "log.jsonl")
     assert [r["step"] for r in records if "pool_accuracy" in r] == [0, 1, 2, 3]     # with every evaluation
     assert all(0.0 <= r["pool_accuracy"] <= 1.0 for r in records if "pool_accuracy" in r)
 
 def test_compare_draws_the_runs_named_and_a_missing_one_exits_2(tmp_path, capsys):
     bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
-    compare.main(["arithmetic_bgpo_nt4_seed0", "--out-dir", str(tmp_path)])
+    run = bgpo.parse_args(tiny_argv(tmp_path, "--rl-steps", "1")).run_name
+    compare.main([run, "--out-dir", str(tmp_path)])
     assert "compare.png" in capsys.readouterr().out
-    for runs in (["mean=arithmetic_bgpo_nt4_seed0,no_such_run"], ["no_such_run"]):
+    for runs in ([f"mean={run},no_such_run"], ["no_such_run"]):
         with pytest.raises(SystemExit) as e:
             compare.main(runs + ["--out-dir", str(tmp_path)])
         err = capsys.readouterr().err
@@ -179,10 +185,12 @@ def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_pa
 
 def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, capsys):
     bgpo.main(tiny_argv(tmp_path))
-    run = tmp_path / "arithmetic_bgpo_nt4_seed0"
+    run = tmp_path / bgpo.parse_args(tiny_argv(tmp_path)).run_name
     rl_log = figures.read_log(run / "log.jsonl")
     curve = control.main(tiny_argv(tmp_path))
-    assert figures.read_log(run / "control.jsonl") == curve
+    assert figures.read_log(str(run) + "_sft-continued/log.jsonl") == curve
+    assert [c["step"] for c in curve] == [r["step"] for r in rl_log if "accuracy" in r], (
+        "the control evaluates where the RL run did, at the same training seconds")
     assert curve[0]["accuracy"] == rl_log[0]["accuracy"], (
         "the control starts from the SFT model RL started from")
     assert (curve[-1]["seconds"] >= sum(r.get("seconds", 0) for r in rl_log)
@@ -219,7 +227,6 @@ def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, comm
     (["--objective", "trajectory", "--minibatches", "2"], "on-policy"),
     (["--stp-tau", "0.5"], "--stp-tau is an option of --objective stp, not bgpo"),
     (["--objective", "stp", "--stp-tau", "0"], "--stp-tau must be in (0, 1]"),
-    (["--d1-advantages"], "--d1-advantages is an option of --objective diffu-grpo"),
     (["--objective", "dtrpo", "--no-anchors"], "--no-anchors is an option of --objective stp"),
     (["--objective", "diffu-grpo", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
     (["--rl-pool", "1"], "smaller than --prompts-per-step"),

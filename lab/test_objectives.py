@@ -232,7 +232,9 @@ def test_the_lab_loop_with_bgpo_draws_what_bgpo_py_draws_and_makes_the_same_upda
     lab option it sees the same rollouts at every step, and its update (in two parts) differs from bgpo.py's
     (in one) by float rounding only, on-policy and with the paper's two mini-batches."""
     # a tiny model's groups all tie: fixed advantages of both signs make every step update
-    monkeypatch.setattr(bgpo, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    fixed = lambda rewards, G: torch.linspace(-1, 1, len(rewards))
+    monkeypatch.setattr(bgpo, "group_advantages", fixed)
+    monkeypatch.setitem(objectives.ADVANTAGES, "group", fixed)
     same = ["--rl-steps", "3", "--minibatches", minibatches]
     bgpo.main(tiny_argv(tmp_path, *same, "--run-name", "tutorial"))
     rl.main(tiny_argv(tmp_path, *same, "--run-name", "lab", "--stage", "rl"))

@@ -1,0 +1,295 @@
+"""
+An experiment: arms x seeds, paired by seed. Each seed's SFT model is trained once (bgpo.py --stage sft) and
+every arm starts from it, so the arms of a seed share their SFT model, their held-out problems and their
+first rollout prompts; the difference between two arms on one seed is then free of the SFT lottery.
+
+    python -m lab.sweep --seeds 0-4 --arms bgpo,rft,sft-continued,nt1,neg-weight-1 [--workers 2] [bgpo.py flags]
+
+Every arm is a named set of flags of python -m lab.rl (the lab's copy of bgpo.run_rl, with its diagnostics)
+or of python -m lab.control; the sweep prints each run's command, so one arm can be run alone. The runs go
+as worker processes (--workers at a time, --threads each), each to its own folder in --out-dir, with its
+console output in console.txt there. A finished run (its final.json) is read, not run again; an interrupted
+one continues from its last checkpoint: running the same command again finishes an interrupted sweep.
+
+The table: per arm, the mean over seeds of the final held-out accuracy on --final-eval-size problems, with
+its 95% interval (Student t over seeds), and the paired difference (same seed) from the SFT model and from
+--reference, with their intervals. An interval that includes 0 means "not distinguishable here". The figure:
+held-out accuracy (the runs' progress evaluations, --eval-size problems) against the RL step, a line per
+arm with its 95% interval as a band.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import bgpo
+from lab import cli, control, rl
+from lab.figures import draw
+
+ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arms differ by their flags only
+    "bgpo": ("lab.rl", []),                                     # the default: BGPO, n_t 8, negatives x 0.5
+    "rft": ("lab.rl", ["--advantages", "rft"]),                 # rejection sampling: learn the solved rollouts
+    "sft-continued": ("lab.control", []),                       # SFT on the demonstrations, bgpo's seconds
+    "nt1": ("lab.rl", ["--mc-samples", "1"]),                   # one masked copy per completion
+    "neg-weight-1": ("lab.rl", ["--neg-weight", "1"]),          # the paper's weight of negative advantages
+    "no-std": ("lab.rl", ["--advantages", "no-std"]),           # A = r - mean, without Eq. 18's / std
+    "solved-reward": ("lab.rl", ["--reward", "solved"]),        # no 0.1 for a well-formed wrong answer
+}
+
+# -----------------------------------------------------------------------------
+# Intervals
+
+def t_quantile(p, df):
+    """Student t's p-quantile (0.5 < p < 1) with df degrees of freedom: bisection on its CDF, integrated by
+    Simpson's rule from the density (no scipy)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    density = lambda t: c * (1 + t * t / df) ** (-(df + 1) / 2)
+
+    def cdf(x, n=2000):
+        h = x / n
+        return 0.5 + h / 3 * (density(0) + density(x) + sum((4 if i % 2 else 2) * density(i * h)
+                                                             for i in range(1, n)))
+    lo, hi = 0.0, 100.0   # t_0.995 with df 1 is 63.7
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+def interval(values):
+    """(mean, half-width of its 95% interval): mean +- t_{0.975, n-1} s / sqrt(n); half-width nan if n < 2."""
+    n, mean = len(values), statistics.fmean(values)
+    if n < 2:
+        return mean, float("nan")
+    return mean, t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
+
+def show(mean, half, signed=False):
+    """A proportion and its interval in percent: "17.6 [15.1, 20.1]", or signed: "+5.2 [+1.0, +9.4]"."""
+    f = (lambda v: f"{100 * v:+.1f}") if signed else (lambda v: f"{100 * v:.1f}")
+    return f(mean) + (f" [{f(mean - half)}, {f(mean + half)}]" if not math.isnan(half) else "")
+
+# -----------------------------------------------------------------------------
+# The runs
+
+def arm_argv(arm, seed, flags, final_eval_size):
+    module, arm_flags = ARMS[arm]
+    return [*flags, *arm_flags, "--seed", str(seed), "--final-eval-size", str(final_eval_size),
+            "--stage", "rl"]
+
+def run_folder(arm, seed, flags, final_eval_size):
+    """The folder an arm's run of a seed writes, as its own command names it."""
+    argv = arm_argv(arm, seed, flags, final_eval_size)
+    if ARMS[arm][0] == "lab.control":
+        p = cli.make_parser("python -m lab.control", "")
+        p.add_argument("--final-eval-size", type=int, default=0)
+        return control.control_dir(cli.check_args(p, p.parse_args(argv)))
+    args = rl.parse_args(argv)
+    return os.path.join(args.out_dir, args.run_name)
+
+def sft_finished(args):
+    """Whether the SFT checkpoint of these flags is a finished SFT's (it stopped early, or ran every step):
+    an interrupted SFT leaves its best model so far under the same name."""
+    if not os.path.isfile(bgpo.sft_path(args)):
+        return False
+    state = torch.load(bgpo.sft_path(args), map_location="cpu", weights_only=True)
+    last = state["curve"][-1]["step"]
+    return last == args.sft_steps or last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
+
+def plan(args, flags):
+    """The jobs: each seed's SFT, then its arms (sft-continued after bgpo): dicts with name, argv, folder,
+    after (the jobs it waits for) and done."""
+    jobs = []
+    for seed in args.seeds:
+        sft_args = bgpo.parse_args([*flags, "--seed", str(seed), "--stage", "sft"])
+        sft = {"name": f"sft seed {seed}", "argv": ["bgpo.py", *flags, "--seed", str(seed), "--stage", "sft"],
+               "folder": None, "log": bgpo.sft_path(sft_args) + ".console.txt", "after": [],
+               "done": sft_finished(sft_args)}
+        jobs.append(sft)
+        for arm in args.arms:
+            folder = run_folder(arm, seed, flags, args.final_eval_size)
+            module = ARMS[arm][0]
+            argv = ["-m", module, *arm_argv(arm, seed, flags, args.final_eval_size)]
+            if module == "lab.rl" and os.path.isfile(os.path.join(folder, "ckpt.pt")):
+                argv.append("--resume")                # interrupted: continue from its last checkpoint
+            elif os.path.exists(os.path.join(folder, "log.jsonl")):
+                argv.append("--overwrite")             # a run stopped before its first checkpoint, or a control
+            after = [sft] + [j for j in jobs if j.get("arm") == "bgpo" and j["seed"] == seed
+                             and module == "lab.control"]
+            jobs.append({"name": f"{arm} seed {seed}", "arm": arm, "seed": seed, "argv": argv, "folder": folder,
+                         "log": os.path.join(folder, "console.txt"), "after": after,
+                         "done": os.path.isfile(os.path.join(folder, "final.json"))})
+    return jobs
+
+def run_jobs(jobs, workers, threads):
+    """Run the jobs not done yet, `workers` at a time, each a `threads`-thread process, in order as their
+    dependencies allow. Returns the names of the jobs that failed (or could not start)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    todo, running, failed = [j for j in jobs if not j["done"]], [], []
+    while todo or running:
+        for job, process, log, t0 in list(running):
+            if process.poll() is None:
+                continue
+            running.remove((job, process, log, t0))
+            log.close()
+            job["done"] = process.returncode == 0
+            print(f"{'done' if job['done'] else 'FAILED'} {job['name']} in {time.time() - t0:.0f} s"
+                  + ("" if job["done"] else f" (exit {process.returncode}; see {job['log']})"), flush=True)
+            if not job["done"]:
+                failed.append(job["name"])
+        for job in list(todo):
+            if any(dep["name"] in failed for dep in job["after"]):
+                todo.remove(job)
+                failed.append(job["name"])
+                print(f"skipped {job['name']}: a job it needs failed", flush=True)
+            elif len(running) < workers and all(dep["done"] for dep in job["after"]):
+                todo.remove(job)
+                os.makedirs(os.path.dirname(job["log"]) or ".", exist_ok=True)
+                log = open(job["log"], "a")
+                print(f"start {job['name']}: python {' '.join(job['argv'])}", flush=True)
+                running.append((job, subprocess.Popen([sys.executable, *job["argv"]], cwd=root, env=env,
+                                                      stdout=log, stderr=subprocess.STDOUT), log, time.time()))
+        time.sleep(0.5)
+    return failed
+
+# -----------------------------------------------------------------------------
+# The table and the figure, from the runs' files
+
+def read_finals(jobs):
+    """{arm: {seed: final.json}} of the finished runs."""
+    finals = {}
+    for job in jobs:
+        path = os.path.join(job["folder"] or "", "final.json")
+        if job.get("arm") and os.path.isfile(path):
+            finals.setdefault(job["arm"], {})[job["seed"]] = json.load(open(path))
+    return finals
+
+def table(finals, reference):
+    """Rows: (arm, seeds, mean accuracy and half-width, paired difference from the SFT model, from reference);
+    the SFT model's row first. Pairs use the seeds that both arms have."""
+    sft = {seed: f["sft_accuracy"] for arm in finals.values() for seed, f in arm.items()}
+    rows = [("SFT model", sorted(sft), interval(list(sft.values())), None, None)]
+    for arm, runs in finals.items():
+        seeds = sorted(runs)
+        accuracy = {s: runs[s]["accuracy"] for s in seeds}
+        ref = finals.get(reference, {})
+        paired = [s for s in seeds if s in ref]
+        rows.append((arm, seeds, interval([accuracy[s] for s in seeds]),
+                     interval([accuracy[s] - sft[s] for s in seeds]),
+                     interval([accuracy[s] - ref[s]["accuracy"] for s in paired])
+                     if paired and arm != reference else None))
+    return rows
+
+def print_table(rows, reference, size):
+    print(f"\nheld-out accuracy (%) on {size} problems, mean over seeds [95% interval, Student t]; differences "
+          f"paired by seed\n{'arm':<14} {'seeds':<11} {'accuracy':<22} {'minus SFT model':<22} "
+          f"minus {reference}")
+    for arm, seeds, accuracy, minus_sft, minus_ref in rows:
+        print(f"{arm:<14} {','.join(map(str, seeds)):<11} {show(*accuracy):<22} "
+              f"{show(*minus_sft, signed=True) if minus_sft else '':<22} "
+              f"{show(*minus_ref, signed=True) if minus_ref else ''}")
+
+def curves(jobs):
+    """{arm: {step: [accuracy of each seed]}} from the runs' progress evaluations (log.jsonl)."""
+    out = {}
+    for job in jobs:
+        path = os.path.join(job["folder"] or "", "log.jsonl")
+        if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
+            for r in map(json.loads, open(path)):
+                if "accuracy" in r:
+                    out.setdefault(job["arm"], {}).setdefault(r["step"], []).append(r["accuracy"])
+    return out
+
+def sweep_figure(arm_curves):
+    """Held-out accuracy against the RL step: per arm the mean over seeds and its 95% interval as a band."""
+    lines = []
+    for arm, by_step in arm_curves.items():
+        steps = sorted(by_step)
+        stats = [interval(by_step[s]) for s in steps]
+        lines.append({"label": f"{arm} ({len(by_step[steps[-1]])} seeds)", "x": steps,
+                      "y": [100 * m for m, _ in stats], "style": "o-",
+                      "band": ([100 * (m - h) for m, h in stats], [100 * (m + h) for m, h in stats])})
+    return {"panels": [{"title": "held-out accuracy (%), mean over seeds and 95% interval", "xlabel":
+                        "RL step (sft-continued: the same training seconds)", "lines": lines}], "width": 6.4}
+
+# -----------------------------------------------------------------------------
+# The command line
+
+def parse_seeds(text):
+    """"0-4" or "0,2,5" -> a list of distinct seeds, in order."""
+    seeds = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if not (low.strip().isdigit() and (not high or high.strip().isdigit())):
+            raise ValueError(part)
+        seeds += range(int(low), int(high or low) + 1)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(text)
+    return seeds
+
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m lab.sweep", description=__doc__.strip().split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           epilog="Any other flag is bgpo.py's or lab.rl's and goes to every run. Arms: " +
+                           "; ".join(f"{a}: python -m {m} {' '.join(f)}".strip() for a, (m, f) in ARMS.items()))
+    a = p.add_argument
+    a("--seeds", default="0-4", help="seeds, as 0-4 or 0,2,5")
+    a("--arms", default="bgpo,rft,sft-continued,nt1,neg-weight-1", help=f"arms, from {', '.join(ARMS)}")
+    a("--reference", default="bgpo", help="the arm that the table's last column subtracts")
+    a("--workers", type=int, default=2, help="runs at a time")
+    a("--threads", type=int, default=1, help="threads per run (OMP_NUM_THREADS)")
+    a("--final-eval-size", type=int, default=2000, help="held-out problems for the table's final evaluations")
+    a("--png", default=None, help="the figure's path (None: sweep.png in --out-dir); needs matplotlib")
+    a("--table-only", action="store_true", help="read the finished runs, run nothing")
+    args, flags = p.parse_known_args(argv)
+    try:
+        args.seeds = parse_seeds(args.seeds)
+    except ValueError:
+        p.error(f"--seeds must be like 0-4 or 0,2,5 (distinct, >= 0), got {args.seeds!r}")
+    args.arms = args.arms.split(",")
+    for arm in args.arms + [args.reference]:
+        if arm not in ARMS:
+            p.error(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+    if len(set(args.arms)) != len(args.arms):
+        p.error(f"--arms names an arm twice: {','.join(args.arms)}")
+    if "sft-continued" in args.arms and "bgpo" not in args.arms:
+        p.error("the sft-continued arm trains for the seconds of the bgpo arm's run: add bgpo to --arms")
+    for name in ("workers", "threads", "final_eval_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for bad in ("--seed", "--stage", "--resume", "--overwrite", "--run-name", "--prompt", "--bench-memory"):
+        if any(f == bad or f.startswith(bad + "=") for f in flags):
+            p.error(f"{bad} is the sweep's to set, not a flag to pass to every run")
+    rl.make_parser().parse_args(flags)   # an unknown or bad flag: one line and exit 2 here, not in a worker
+    jobs = plan(args, flags)
+    out_dir = rl.parse_args(flags).out_dir
+    print(f"sweep: {len(args.seeds)} seeds x {len(args.arms)} arms, {args.workers} workers x {args.threads} "
+          f"thread(s); {sum(not j['done'] for j in jobs)} of {len(jobs)} jobs to run", flush=True)
+    t0 = time.time()
+    failed = [] if args.table_only else run_jobs(jobs, args.workers, args.threads)
+    finals = read_finals(jobs)
+    if not finals:
+        print("no finished run to tabulate")
+        return None
+    rows = table(finals, args.reference)
+    print(f"\nruns read ({time.time() - t0:.0f} s for this sweep command):")
+    for job in jobs:
+        if job.get("arm") and job["seed"] in finals.get(job["arm"], {}):
+            print(f"  {job['folder']}: python {' '.join(job['argv'])}")
+    print_table(rows, args.reference, next(iter(next(iter(finals.values())).values()))["size"])
+    png = args.png or os.path.join(out_dir, "sweep.png")
+    draw(sweep_figure(curves(jobs)), png)
+    bgpo.write_json(os.path.join(out_dir, "sweep.json"),
+                    {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+    return rows
+
+if __name__ == "__main__":
+    main()
