@@ -23,6 +23,9 @@ Simplifications versus the paper:
 4. Group advantages use the unbiased (n-1) standard deviation, torch.std's default (as in TRL's
    GRPO trainer), and a group whose rewards are all equal gets exactly 0.
 5. Negative advantages are scaled by NEG_WEIGHT = 0.5 (the paper's is 1).
+6. "On-policy" means the rollouts come from the current weights: they are drawn by LLaDA's low-confidence
+   sampler at temperature 1.3, while the ELBO bounds the likelihood of the random-order model at temperature
+   1, so the update is the exact policy gradient of neither (as in the paper and DARE).
 
 Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size, M Monte Carlo samples
 (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
@@ -250,7 +253,8 @@ def average_gradients(model, args, *stats):
     return stats.tolist()
 
 def encode(task, prompts, answers=None, device="cpu"):
-    """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions ending in EOS."""
+    """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions: the answer, then EOS tokens
+    up to L (an answer of L characters, as every 4x4 Sudoku's, has none)."""
     x = task.tokenizer.encode_batch(prompts, task.prompt_len, "left").to(device)
     if answers is None:
         return x
@@ -517,7 +521,8 @@ def show_unmasking(model, task, prompt, args):
 def bench_memory(args, task):
     """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
     and time depend on the shapes, not the values), by each objective at n_t = 1..64: the peak activation
-    memory (ActivationMemory) and the median time of 3. Returns the rows."""
+    memory (ActivationMemory, in a pass of its own: its hooks run in Python once per saved tensor, and BGPO
+    saves n_t times as many) and the median time of 3 updates without the hooks. Returns the rows."""
     torch.manual_seed(args.seed)
     model = make_model(task, args).to(args.device)
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
@@ -531,15 +536,17 @@ def bench_memory(args, task):
         mc, row = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device), [n_t]
         for update in (lambda: naive_loss(model, x, y, mc, None, A).backward(),
                        lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk)):
+            with ActivationMemory(model) as memory:
+                update()
             times = []
             for _ in range(3):
+                model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
-                with ActivationMemory(model) as memory:
-                    update()
-                    model.zero_grad(set_to_none=True)
+                update()
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
                 times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
             row += [memory.peak / 2**20, statistics.median(times)]
         rows.append(row)
         print(f"{n_t:>4} | {row[1]:>8.1f} {row[3]:>8.1f} {row[1] / row[3]:>10.2f} | {row[2]:>7.3f} "

@@ -959,6 +959,7 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     run = subprocess.run(torchrun + argv, cwd=os.path.dirname(bgpo.__file__), capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "terminate called" not in run.stderr and "Signal" not in run.stderr, run.stderr[-2000:]
     assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
     run_dir = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -966,6 +967,20 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     run_dir = run_dir[0]
     assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
+
+def test_a_run_error_under_torchrun_exits_2_on_every_process_without_hanging(tmp_path):
+    """--stage rl without an SFT model: a RunError on both processes, after they joined the group. Each
+    prints one line and leaves the group with the other (no abort); torchrun reports exit code 2."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "bgpo.py"]
+    run = subprocess.run(torchrun + DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)], timeout=60,
+                         cwd=os.path.dirname(bgpo.__file__), capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = run.stderr.count("bgpo.py: error: no checkpoint at")
+    assert run.returncode != 0 and errors == 2, run.stderr[-2000:]
+    assert run.stderr.count("exitcode  : 2") + run.stderr.count("exitcode: 2") >= 1, run.stderr[-2000:]
+    assert "terminate called" not in run.stderr and "Traceback" not in run.stderr.split("error: no")[0], (
+        run.stderr[-2000:])
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("extra, message", [

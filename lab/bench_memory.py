@@ -36,19 +36,21 @@ def bench_batch(task, args):
     return Rollouts(prompts, x, y, commit, answers, rewards), A, generator
 
 def measure_update(model, optimizer, backward, args):
-    """backward() timed as bgpo.bench_memory times an update (a copy), with an optimizer step after it and
-    the CUDA allocator's peak besides, --bench-repeats times: (peak activation MB, median seconds, CUDA MB
-    or nan)."""
+    """backward() measured as bgpo.bench_memory measures an update (a copy): its activation memory in one
+    pass, then timed with an optimizer step after it and the CUDA allocator's peak besides, --bench-repeats
+    times: (peak activation MB, median seconds, CUDA MB or nan)."""
     cuda, times = args.device.startswith("cuda"), []
+    with ActivationMemory(model) as memory:   # a pass of its own: the hooks' Python cost stays off the clock
+        optimizer.zero_grad(set_to_none=True)
+        backward()
     for _ in range(args.bench_repeats):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with ActivationMemory(model) as memory:
-            optimizer.zero_grad(set_to_none=True)
-            backward()
-            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        optimizer.step()
         if cuda:
             torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
         times.append(time.perf_counter() - t0)

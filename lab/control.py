@@ -93,7 +93,7 @@ def run_control(args, task):
 def main(argv=None):
     p = cli.make_parser("python -m lab.control", __doc__.strip().split("\n\n")[0])
     p.add_argument("--final-eval-size", type=int, default=0,
-                   help="held-out problems on which the SFT model and the last one are scored into final.json")
+                   help="held-out problems on which the SFT model and the last one are scored (final.json)")
     args = cli.check_args(p, p.parse_args(argv))
     log = os.path.join(args.out_dir, args.run_name, "log.jsonl")
     if not os.path.isfile(log):

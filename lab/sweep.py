@@ -3,7 +3,7 @@ An experiment: arms x seeds, paired by seed. Each seed's SFT model is trained on
 every arm starts from it, so the arms of a seed share their SFT model, their held-out problems and their
 first rollout prompts; the difference between two arms on one seed is then free of the SFT lottery.
 
-    python -m lab.sweep --seeds 0-4 --arms bgpo,rft,sft-continued,nt1,neg-weight-1 [--workers 2] [bgpo.py flags]
+    python -m lab.sweep --seeds 0-4 --arms bgpo,rft,sft-continued,nt1,neg-weight-1 [--workers 2] [flags]
 
 Every arm is a named set of flags of python -m lab.rl (the lab's copy of bgpo.run_rl, with its diagnostics)
 or of python -m lab.control; the sweep prints each run's command, so one arm can be run alone. The runs go
@@ -18,6 +18,7 @@ held-out accuracy (the runs' progress evaluations, --eval-size problems) against
 arm with its 95% interval as a band.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from lab.figures import draw
 
 ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arms differ by their flags only
     "bgpo": ("lab.rl", []),                                     # the default: BGPO, n_t 8, negatives x 0.5
-    "rft": ("lab.rl", ["--advantages", "rft"]),                 # rejection sampling: learn the solved rollouts
+    "rft": ("lab.rl", ["--advantages", "rft"]),                 # rejection sampling: learn the solved answers
     "sft-continued": ("lab.control", []),                       # SFT on the demonstrations, bgpo's seconds
     "nt1": ("lab.rl", ["--mc-samples", "1"]),                   # one masked copy per completion
     "neg-weight-1": ("lab.rl", ["--neg-weight", "1"]),          # the paper's weight of negative advantages
@@ -45,6 +46,7 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
 # -----------------------------------------------------------------------------
 # Intervals
 
+@functools.lru_cache
 def t_quantile(p, df):
     """Student t's p-quantile (0.5 < p < 1) with df degrees of freedom: bisection on its CDF, integrated by
     Simpson's rule from the density (no scipy)."""
@@ -117,11 +119,11 @@ def plan(args, flags):
             if module == "lab.rl" and os.path.isfile(os.path.join(folder, "ckpt.pt")):
                 argv.append("--resume")                # interrupted: continue from its last checkpoint
             elif os.path.exists(os.path.join(folder, "log.jsonl")):
-                argv.append("--overwrite")             # a run stopped before its first checkpoint, or a control
+                argv.append("--overwrite")             # stopped before its first checkpoint, or a control
             after = [sft] + [j for j in jobs if j.get("arm") == "bgpo" and j["seed"] == seed
                              and module == "lab.control"]
-            jobs.append({"name": f"{arm} seed {seed}", "arm": arm, "seed": seed, "argv": argv, "folder": folder,
-                         "log": os.path.join(folder, "console.txt"), "after": after,
+            jobs.append({"name": f"{arm} seed {seed}", "arm": arm, "seed": seed, "argv": argv,
+                         "folder": folder, "log": os.path.join(folder, "console.txt"), "after": after,
                          "done": os.path.isfile(os.path.join(folder, "final.json"))})
     return jobs
 
@@ -152,9 +154,10 @@ def run_jobs(jobs, workers, threads):
                 os.makedirs(os.path.dirname(job["log"]) or ".", exist_ok=True)
                 log = open(job["log"], "a")
                 print(f"start {job['name']}: python {' '.join(job['argv'])}", flush=True)
-                running.append((job, subprocess.Popen([sys.executable, *job["argv"]], cwd=root, env=env,
-                                                      stdout=log, stderr=subprocess.STDOUT), log, time.time()))
-        time.sleep(0.5)
+                process = subprocess.Popen([sys.executable, *job["argv"]], cwd=root, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT)
+                running.append((job, process, log, time.time()))
+        time.sleep(0.2)
     return failed
 
 # -----------------------------------------------------------------------------
@@ -186,8 +189,8 @@ def table(finals, reference):
     return rows
 
 def print_table(rows, reference, size):
-    print(f"\nheld-out accuracy (%) on {size} problems, mean over seeds [95% interval, Student t]; differences "
-          f"paired by seed\n{'arm':<14} {'seeds':<11} {'accuracy':<22} {'minus SFT model':<22} "
+    print(f"\nheld-out accuracy (%) on {size} problems, mean over seeds [95% interval, Student t]; "
+          f"differences paired by seed\n{'arm':<14} {'seeds':<11} {'accuracy':<22} {'minus SFT model':<22} "
           f"minus {reference}")
     for arm, seeds, accuracy, minus_sft, minus_ref in rows:
         print(f"{arm:<14} {','.join(map(str, seeds)):<11} {show(*accuracy):<22} "
@@ -204,6 +207,39 @@ def curves(jobs):
                 if "accuracy" in r:
                     out.setdefault(job["arm"], {}).setdefault(r["step"], []).append(r["accuracy"])
     return out
+
+def diagnostics(jobs):
+    """Per RL arm, means over seeds of what its runs logged (lab.rl's diagnostics) in the first and the last
+    50 RL steps: where the signal comes from, how the update splits, where the seconds go."""
+    fields = {"solve_groups": "groups with a solve and a miss",
+              "credit_only_groups": "groups differing by the 0.1 only", "solved": "rollouts solved",
+              "neg_over_pos": "|g-| / |g+|",
+              "cos_pos_neg": "cos(g+, g-)", "rollout_share": "share of a step's seconds in rollouts"}
+    per_arm = {}   # arm: {(field, "first" or "last"): [a mean per seed]}
+    for job in jobs:
+        path = os.path.join(job["folder"] or "", "log.jsonl")
+        if not (job.get("arm") and ARMS[job["arm"]][0] == "lab.rl" and os.path.isfile(path)):
+            continue
+        steps = [r for r in map(json.loads, open(path)) if "grad_pos" in r]
+        for r in steps:
+            r["neg_over_pos"] = r["grad_neg"] / r["grad_pos"] if r["grad_pos"] else math.nan
+            r["rollout_share"] = r.get("rollout_seconds", math.nan) / r["seconds"]
+        for part, chosen in (("first", steps[:50]), ("last", steps[-50:])):
+            for key in fields:
+                values = [r[key] for r in chosen if not math.isnan(r[key])]
+                if values:
+                    runs = per_arm.setdefault(job["arm"], {})
+                    runs.setdefault((key, part), []).append(statistics.fmean(values))
+    print("\nwhat the RL runs logged, mean over seeds: first 50 steps -> last 50 steps")
+    print(f"{'':<38}" + "".join(f"{arm:>16}" for arm in per_arm))
+    for key, label in fields.items():
+        cells = []
+        for runs in per_arm.values():
+            first, last = runs.get((key, "first")), runs.get((key, "last"))
+            cells.append(f"{statistics.fmean(first):.2f} -> {statistics.fmean(last):.2f}"
+                         if first and last else "")
+        print(f"{label:<38}" + "".join(f"{cell:>16}" for cell in cells))
+    return per_arm
 
 def sweep_figure(arm_curves):
     """Held-out accuracy against the RL step: per arm the mean over seeds and its 95% interval as a band."""
@@ -234,9 +270,11 @@ def parse_seeds(text):
 
 def main(argv=None):
     p = cli.ArgumentParser(prog="python -m lab.sweep", description=__doc__.strip().split("\n\n")[0],
+                           allow_abbrev=False,   # --seed must not pass for --seeds
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           epilog="Any other flag is bgpo.py's or lab.rl's and goes to every run. Arms: " +
-                           "; ".join(f"{a}: python -m {m} {' '.join(f)}".strip() for a, (m, f) in ARMS.items()))
+                           epilog="Any other flag is bgpo.py's or lab.rl's and goes to every run. Arms: "
+                           + "; ".join(f"{arm}: python -m {module} {' '.join(flags)}".strip()
+                                       for arm, (module, flags) in ARMS.items()))
     a = p.add_argument
     a("--seeds", default="0-4", help="seeds, as 0-4 or 0,2,5")
     a("--arms", default="bgpo,rft,sft-continued,nt1,neg-weight-1", help=f"arms, from {', '.join(ARMS)}")
@@ -282,6 +320,7 @@ def main(argv=None):
         if job.get("arm") and job["seed"] in finals.get(job["arm"], {}):
             print(f"  {job['folder']}: python {' '.join(job['argv'])}")
     print_table(rows, args.reference, next(iter(next(iter(finals.values())).values()))["size"])
+    diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs)), png)
     bgpo.write_json(os.path.join(out_dir, "sweep.json"),

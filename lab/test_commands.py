@@ -40,7 +40,8 @@ def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_
                                                                                      monkeypatch):
     """python -m lab.rl --minibatches 2 with each objective of the lemma ablation: the two-pass naive run
     ends at the one-graph naive run's weights (float64), each lemma alone somewhere else."""
-    monkeypatch.setitem(objectives.ADVANTAGES, "group", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
+    fixed = lambda rewards, G: torch.linspace(-1, 1, len(rewards))
+    monkeypatch.setitem(objectives.ADVANTAGES, "group", fixed)
     weights = {}
     for objective in ("naive", "naive-two-pass", "lemma1-only", "lemma2-only", "bgpo"):
         argv = tiny_argv(shared_out, "--objective", objective, "--sft-steps", "30", "--minibatches", "2",

@@ -1,0 +1,128 @@
+"""
+The sweep (python -m lab.sweep) and its arms: the RFT arm's update against BGPO's with hand-made advantages,
+each ablation arm's flags against the default's, the intervals against published t quantiles and by hand,
+a tiny sweep end to end, and its worker pool's order and failures.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import bgpo
+from lab import control, objectives, rl, sweep
+from lab.sampler import Rollouts
+from lab.testing import grads, on_policy_setup, tiny_argv
+
+def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_and_0_elsewhere():
+    """lab.rl --advantages rft, through the lab's update (rows with A = 0 dropped, the rest rescaled, the
+    positive and negative parts built apart), against one bgpo_backward on the whole batch, A = 1[r = 1]."""
+    model, x, y, mc, _, _ = on_policy_setup(M=6)
+    rewards = torch.tensor([1.0, 0.1, 0.0, 1.0, 1.0, 0.1])                    # two groups of 3
+    A = objectives.ADVANTAGES["rft"](rewards, 3)
+    assert A.tolist() == [1, 0, 0, 1, 1, 0]
+    model.zero_grad()
+    bgpo.bgpo_backward(model, x, y, mc, None, (rewards == 1.0).double())
+    expected = grads(model).clone()
+    model.zero_grad()
+    args = rl.parse_args(["--advantages", "rft"])
+    batch = Rollouts(["?"] * 6, x, y, None, None, None)
+    rl.split_by_sign(objectives.OBJECTIVES["bgpo"], {}).backward(model, batch, {"mc": mc, "old_terms": None},
+                                                                 torch.where(A < 0, args.neg_weight * A, A),
+                                                                 args, 0)
+    diff = (grads(model) - expected).abs().max().item()
+    assert diff < 1e-12 and expected.abs().max() > 1e-3, diff
+
+def test_each_ablation_arm_changes_only_the_setting_its_name_says():
+    base = vars(rl.parse_args(["--stage", "rl"]))
+    changed = {}
+    for arm in ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward"):
+        args = vars(rl.parse_args(sweep.arm_argv(arm, 0, [], 2000)))
+        changed[arm] = {k for k in base if args[k] != base[k]} - {"run_name", "final_eval_size"}
+        assert args["run_name"] != base["run_name"], arm              # and so its own folder
+    assert changed == {"nt1": {"mc_samples"}, "neg-weight-1": {"neg_weight"}, "rft": {"advantages"},
+                       "no-std": {"advantages"}, "solved-reward": {"reward"}}
+    assert rl.parse_args(sweep.arm_argv("nt1", 0, [], 2000)).mc_samples == 1
+    assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, [], 2000)).neg_weight == 1.0
+
+@pytest.mark.parametrize("df, published", [(1, 12.706), (4, 2.776), (9, 2.262), (29, 2.045)])
+def test_t_quantile_matches_the_published_table(df, published):
+    assert sweep.t_quantile(0.975, df) == pytest.approx(published, abs=1e-3)
+
+def test_table_intervals_and_paired_differences_by_hand():
+    """Two seeds: mean +- t_{0.975,1} s / sqrt(2), with t_{0.975,1} = 12.706 and s = |a - b| / sqrt(2)."""
+    run = lambda accuracy, sft: {"accuracy": accuracy, "sft_accuracy": sft}
+    finals = {"bgpo": {0: run(0.30, 0.10), 1: run(0.20, 0.14)},
+              "rft": {0: run(0.25, 0.10), 1: run(0.19, 0.14)}}
+    rows = {row[0]: row for row in sweep.table(finals, "bgpo")}
+    half = lambda a, b: 12.706 * abs(a - b) / math.sqrt(2) / math.sqrt(2)
+    for got, (mean, width) in [(rows["SFT model"][2], (0.12, half(0.10, 0.14))),
+                               (rows["bgpo"][2], (0.25, half(0.30, 0.20))),
+                               (rows["bgpo"][3], (0.13, half(0.20, 0.06))),      # minus SFT: 0.20, 0.06
+                               (rows["rft"][4], (-0.03, half(-0.05, -0.01)))]:   # minus bgpo: -0.05, -0.01
+        assert got[0] == pytest.approx(mean) and got[1] == pytest.approx(width, rel=1e-4)
+    assert rows["bgpo"][4] is None and rows["rft"][1] == [0, 1]
+
+def run_in_process(jobs, workers, threads):
+    """sweep.run_jobs without worker processes: each job's command called in this one, in plan order."""
+    commands = {"bgpo.py": bgpo.main, "lab.rl": rl.main, "lab.control": control.main}
+    for job in jobs:
+        if not job["done"]:
+            argv = job["argv"][2:] if job["argv"][0] == "-m" else job["argv"][1:]
+            commands[job["argv"][1] if job["argv"][0] == "-m" else job["argv"][0]](argv)
+            job["done"] = True
+    return []
+
+def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_path, monkeypatch, capsys):
+    """2 seeds x 3 arms end to end (the runs in this process): each arm's run in its own folder, the table's
+    numbers from the runs' final.json by hand, and a second call that reads the runs, not running them."""
+    monkeypatch.setattr(sweep, "run_jobs", run_in_process)
+    flags = tiny_argv(tmp_path, "--sft-steps", "10", "--sft-eval-every", "10", "--val-size", "8",
+                      "--rl-steps", "1", "--eval-size", "4")
+    argv = ["--seeds", "0-1", "--arms", "bgpo,rft,sft-continued", "--final-eval-size", "12", *flags]
+    rows = {row[0]: row for row in sweep.main(argv)}
+    out = capsys.readouterr().out
+    finals = {}
+    for arm, seed in [(a, s) for a in ("bgpo", "rft", "sft-continued") for s in (0, 1)]:
+        folder = sweep.run_folder(arm, seed, flags, 12)
+        finals[arm, seed] = json.load(open(os.path.join(folder, "final.json")))
+        assert folder in out and finals[arm, seed]["size"] == 12, (arm, seed)
+        assert os.path.isfile(os.path.join(folder, "run.json"))
+    assert len({sweep.run_folder(a, s, flags, 12) for a, s in finals}) == 6, "one folder per arm and seed"
+    for arm in ("bgpo", "rft", "sft-continued"):
+        a, b = finals[arm, 0]["accuracy"], finals[arm, 1]["accuracy"]
+        assert rows[arm][2][0] == pytest.approx((a + b) / 2)
+        assert rows[arm][2][1] == pytest.approx(12.706 * abs(a - b) / 2, rel=1e-4)
+    sft = [finals["bgpo", s]["sft_accuracy"] for s in (0, 1)]
+    assert [finals[arm, s]["sft_accuracy"] for arm in ("rft", "sft-continued") for s in (0, 1)] == sft * 2, (
+        "every arm of a seed starts from the same SFT model")
+    assert "0 of 8 jobs to run" in (sweep.main(argv) and capsys.readouterr().out), "finished runs are read"
+
+def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_needs_failed(tmp_path, capsys):
+    marks = tmp_path / "order.txt"
+    job = lambda name, code, after=(): {"name": name, "after": list(after), "done": False,
+                                        "log": str(tmp_path / f"{name}.txt"),
+                                        "argv": ["-c", f"open({str(marks)!r}, 'a').write('{name} '); "
+                                                       f"raise SystemExit({code})"]}
+    first = job("first", 0)
+    broken = job("broken", 3)
+    second, orphan = job("second", 0, [first]), job("orphan", 0, [broken])
+    failed = sweep.run_jobs([second, orphan, first, broken], workers=1, threads=1)
+    assert failed == ["broken", "orphan"] and marks.read_text() == "first second broken "
+    assert "exit 3" in capsys.readouterr().out
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "bgpo,nope"], "unknown arm 'nope'"),
+    (["--seeds", "3-x"], "--seeds must be like 0-4"),
+    (["--seeds", "1,1"], "--seeds must be like 0-4"),
+    (["--arms", "rft,sft-continued"], "add bgpo to --arms"),
+    (["--seed", "3"], "--seed is the sweep's to set"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_sweep_flag_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
