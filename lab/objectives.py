@@ -179,9 +179,13 @@ def bound_backward(model, prompts, completions, mc, old_terms, advantages, bound
 class Objective:
     """An RL objective as the lab's loop sees it.
     prepare(model, batch, args, generator) -> state, fixed once per rollout batch, without gradients;
-    backward(model, batch, state, A, args, inner) -> loss value, backpropagated for inner update `inner`."""
+    backward(model, batch, state, A, args, inner) -> loss value, backpropagated for inner update `inner`;
+    row_mean: whether the loss is a mean over the batch's rows. lab.rl then builds the update from the rows
+    with A > 0 and those with A < 0 apart, for its diagnostics (the parts add up to the whole update). A
+    loss normalised over the whole batch, or pairing rows within a group, sets False: one backward."""
     prepare: Callable
     backward: Callable
+    row_mean: bool = True
 
 def rows_of(value, rows):
     """The part of a rollout batch, or of an objective's per-batch state, that belongs to these rows."""

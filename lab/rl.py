@@ -186,7 +186,9 @@ def run_rl(args, task, model, pool=None):
     options, and its diagnostics. pool: the fixed training problems of --rl-pool, or None for fresh ones.
     Returns the records with a held-out evaluation (step 0 is the SFT model)."""
     stats, G, B = {}, args.group_size, args.prompts_per_step * args.group_size
-    objective = split_by_sign(OBJECTIVES[args.objective], stats)
+    objective = OBJECTIVES[args.objective]
+    if objective.row_mean:   # the update in two parts, for the diagnostics; else one backward on the batch
+        objective = split_by_sign(objective, stats)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1)
     run_dir = os.path.join(args.out_dir, args.run_name)
