@@ -329,6 +329,12 @@ def sft_path(args):
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
                         f"h{args.n_head}e{args.n_embd}_seed{args.seed}{args.dp_suffix}.pt")
 
+def sft_settings(args):
+    """Every setting that changes the kept SFT model, as its checkpoint records them (and its name spells)."""
+    return {"task": args.task, "demos": args.demos, "steps": args.sft_steps, "batch": SFT_BATCH, "lr": SFT_LR,
+            "val_size": args.val_size, "eval_every": args.sft_eval_every, "patience": SFT_PATIENCE,
+            "model": [args.n_layer, args.n_head, args.n_embd], "seed": args.seed, "processes": args.world}
+
 def sft_batches(task, args, generator):
     """An endless stream of (x, y) SFT batches, random draws from the --demos demonstrations: training
     problems with their answers, the same set for every run of a seed. --demos 0: fresh ones every step.
@@ -383,7 +389,8 @@ def run_sft(args, task):
             best, best_weights = curve[-1], {k: v.clone() for k, v in model.state_dict().items()}
         if args.rank == 0:  # the best model so far and the whole curve: an interrupted SFT keeps them
             save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve)
+                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve,
+                            settings=sft_settings(args))
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
                    f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
                    f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
@@ -660,6 +667,9 @@ def sft_model(args, task):
     if args.stage == "sft" or (args.stage == "all" and not os.path.isfile(sft_path(args))):
         return run_sft(args, task)
     print(f"loading the SFT model {sft_path(args)}")
+    made_with = load_checkpoint(sft_path(args), task).get("settings", sft_settings(args))  # older: unrecorded
+    if made_with != sft_settings(args):
+        raise RunError(f"{sft_path(args)} was made with {made_with}, not {sft_settings(args)}")
     return load_model(sft_path(args), task, args)
 
 def main(argv=None):

@@ -538,6 +538,25 @@ def test_the_sft_checkpoint_name_changes_with_every_setting_of_sft(tmp_path):
                         ("--eval-size", "9"), ("--minibatches", "2"), ("--eval-every", "3")]:
         assert bgpo.sft_path(tiny_args(tmp_path, flag, value)) == base, flag
 
+def test_a_reused_sft_checkpoint_must_have_been_made_with_these_settings(tmp_path):
+    """The name is the first check; the settings the checkpoint records are the second (a renamed file)."""
+    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "20", "--stage", "sft"))
+    made, wanted = (bgpo.sft_path(tiny_args(tmp_path, "--sft-steps", n)) for n in ("20", "30"))
+    os.rename(made, wanted)
+    with pytest.raises(bgpo.RunError, match="was made with .*'steps': 20"):
+        bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30", "--stage", "rl"))
+
+def test_a_folder_that_holds_a_run_is_refused_without_resume_or_overwrite(tmp_path):
+    argv = tiny_argv(tmp_path, "--rl-steps", "1")
+    bgpo.main(argv)
+    run_dir = os.path.join(str(tmp_path), bgpo.parse_args(argv).run_name)
+    with pytest.raises(bgpo.RunError, match="holds a run already: --resume continues it"):
+        bgpo.main(argv)
+    described = json.load(open(os.path.join(run_dir, "run.json")))
+    assert described["flags"]["rl_steps"] == 1 and described["torch"] == torch.__version__
+    assert bgpo.main(argv + ["--overwrite"])[-1]["step"] == 1
+    assert bgpo.parse_args(tiny_argv(tmp_path, "--rl-steps", "2")).run_name != bgpo.parse_args(argv).run_name
+
 @pytest.mark.parametrize("objective", ["bgpo", "naive"])
 def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))

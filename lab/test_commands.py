@@ -259,3 +259,21 @@ def test_the_lab_refuses_torchrun_with_one_line(tmp_path, capsys, monkeypatch):
         rl.parse_args(tiny_argv(tmp_path))
     err = capsys.readouterr().err
     assert e.value.code == 2 and "not under torchrun" in err and err.count("\n") == 1, err
+
+def test_lab_rl_resume_continues_the_run_that_was_never_interrupted(tmp_path, monkeypatch):
+    """python -m lab.rl --resume from the checkpoint of step 2 ends where the run of 4 steps straight does."""
+    # a tiny model's groups all tie: fixed advantages of both signs make every step update
+    fixed_advantages = lambda rewards, G: torch.linspace(-1, 1, len(rewards))
+    monkeypatch.setitem(objectives.ADVANTAGES, "group", fixed_advantages)
+    fixed = ["--rl-lr", "1e-2", "--sft-steps", "30"]
+    rl.main(tiny_argv(tmp_path, *fixed, "--rl-steps", "4", "--run-name", "straight"))
+    interrupted = ["--run-name", "interrupted", "--stage", "rl"]
+    rl.main(tiny_argv(tmp_path, *fixed, "--rl-steps", "2", *interrupted))
+    rl.main(tiny_argv(tmp_path, *fixed, "--rl-steps", "4", *interrupted, "--resume"))
+    a, b = (torch.load(tmp_path / run / "ckpt.pt", weights_only=True) for run in ("straight", "interrupted"))
+    sft = torch.load(bgpo.sft_path(rl.parse_args(tiny_argv(tmp_path, *fixed))), weights_only=True)["model"]
+    assert a["step"] == b["step"] == 4 and not torch.equal(a["model"]["head.weight"], sft["head.weight"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    logs = [figures.read_log(tmp_path / name / "log.jsonl") for name in ("straight", "interrupted")]
+    assert [{k: v for k, v in r.items() if "seconds" not in k} for r in logs[0]] == \
+           [{k: v for k, v in r.items() if "seconds" not in k} for r in logs[1]]
