@@ -2,7 +2,7 @@
 The activation memory and time of one update of every RL objective, on the same batch: which grow
 with their sample count. bgpo.py --bench-memory has BGPO against the naive objective (the paper's
 Fig. 1); this adds the exact naive gradient in two passes (naive_two_pass_backward) beside them, on-
-and off-policy, then the field's objectives of lab/objectives.py and, with --plot, draws Fig. 1.
+and off-policy, then the field's objectives of lab/objectives.py; with --plot, bgpo.py's table, drawn.
 
     python -m lab.bench_memory [--task T] [--plot] [--device cuda] [any bgpo.py flag] [--bench-repeats N]
 """
@@ -133,8 +133,8 @@ def every_objective_table(args, task):
 def parse_args(argv=None):
     p = cli.make_parser("python -m lab.bench_memory",
                         "Activation memory and time of one update of every objective.")
-    p.add_argument("--plot", action="store_true", help="first run bgpo.py's naive-vs-BGPO table and draw it "
-                   "(the paper's Fig. 1) as out/memory_TASK_DEVICE.png, if matplotlib is installed")
+    p.add_argument("--plot", action="store_true", help="run bgpo.py's naive-vs-BGPO table instead, and draw "
+                   "it (the paper's Fig. 1) as memory_TASK_DEVICE.png in --out-dir, if matplotlib is installed")
     args = cli.check_args(p, p.parse_args(argv))
     # the lab objectives' options off
     args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None
@@ -146,7 +146,7 @@ def main(argv=None):
     if args.plot:
         rows = bgpo.bench_memory(args, task)
         os.makedirs(args.out_dir, exist_ok=True)
-        draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
+        return draw(memory_figure(rows), os.path.join(args.out_dir, f"memory_{task.name}_{args.device}.png"))
     two_pass_table(args, task)
     return every_objective_table(args, task)
 

@@ -333,7 +333,8 @@ def final_evaluation(model, task, args, run_dir, step):
     prompts = task.sample(args.final_eval_size, "test", 1234)[0]
     sft = evaluate(bgpo.load_model(bgpo.sft_path(args), task, args), task, prompts, args, n_show=0)
     final = evaluate(model, task, prompts, args, n_show=0)
-    result = {"run": os.path.basename(run_dir), "step": step, "size": len(prompts), "sft_accuracy": sft["accuracy"],
+    result = {"run": os.path.basename(run_dir), "step": step, "size": len(prompts),
+              "sft_accuracy": sft["accuracy"],
               "accuracy": final["accuracy"], "sft_reward": sft["reward"], "reward": final["reward"]}
     bgpo.write_json(os.path.join(run_dir, "final.json"), result)
     print(f"on {len(prompts)} held-out problems: SFT model {sft['accuracy']:.1%}, step {step} "
