@@ -134,7 +134,7 @@ def parse_args(argv=None):
     p = cli.make_parser("python -m lab.bench_memory",
                         "Activation memory and time of one update of every objective.")
     p.add_argument("--plot", action="store_true", help="run bgpo.py's naive-vs-BGPO table instead, and draw "
-                   "it (the paper's Fig. 1) as memory_TASK_DEVICE.png in --out-dir, if matplotlib is installed")
+                   "it (the paper's Fig. 1) as memory_TASK_DEVICE.png in --out-dir (needs matplotlib)")
     args = cli.check_args(p, p.parse_args(argv))
     # the lab objectives' options off
     args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None
