@@ -577,7 +577,8 @@ def make_parser():
     a("--seed", type=int, default=0, help="seed for weights, data and sampling")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     a("--out-dir", default="out", help="where checkpoints and logs go")
-    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS)")
+    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS, "
+      "then a hash of the other flags off their defaults)")
     a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     a("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
