@@ -198,14 +198,13 @@ def print_table(rows, reference, size):
               f"{show(*minus_ref, signed=True) if minus_ref else ''}")
 
 def curves(jobs):
-    """{arm: {step: [accuracy of each seed]}} from the runs' progress evaluations (log.jsonl)."""
+    """{arm: {step: {seed: accuracy}}} from the finished runs' progress evaluations (log.jsonl)."""
     out = {}
     for job in jobs:
-        path = os.path.join(job["folder"] or "", "log.jsonl")
         if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
-            for r in map(json.loads, open(path)):
+            for r in map(json.loads, open(os.path.join(job["folder"], "log.jsonl"))):
                 if "accuracy" in r:
-                    out.setdefault(job["arm"], {}).setdefault(r["step"], []).append(r["accuracy"])
+                    out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r["accuracy"]
     return out
 
 def diagnostics(jobs):
@@ -242,16 +241,21 @@ def diagnostics(jobs):
     return per_arm
 
 def sweep_figure(arm_curves):
-    """Held-out accuracy against the RL step: per arm the mean over seeds and its 95% interval as a band."""
-    lines = []
-    for arm, by_step in arm_curves.items():
-        steps = sorted(by_step)
-        stats = [interval(by_step[s]) for s in steps]
-        lines.append({"label": f"{arm} ({len(by_step[steps[-1]])} seeds)", "x": steps,
-                      "y": [100 * m for m, _ in stats], "style": "o-",
-                      "band": ([100 * (m - h) for m, h in stats], [100 * (m + h) for m, h in stats])})
-    return {"panels": [{"title": "held-out accuracy (%), mean over seeds and 95% interval", "xlabel":
-                        "RL step (sft-continued: the same training seconds)", "lines": lines}], "width": 6.4}
+    """Held-out accuracy against the RL step, per arm the mean over seeds and its 95% interval as a band: as
+    it is (left), and minus the same seed's SFT model, step 0 (right: paired, so the SFT lottery cancels)."""
+    panels = []
+    for title, paired in (("held-out accuracy (%)", False), ("minus the seed's SFT model (points)", True)):
+        lines = []
+        for arm, by_step in arm_curves.items():
+            steps = sorted(by_step)
+            stats = [interval([100 * (acc - by_step[0][seed] * paired) for seed, acc in by_step[s].items()])
+                     for s in steps]
+            lines.append({"label": f"{arm} ({len(by_step[steps[-1]])} seeds)", "x": steps,
+                          "y": [m for m, _ in stats], "style": "o-",
+                          "band": ([m - h for m, h in stats], [m + h for m, h in stats])})
+        panels.append({"title": f"{title}: mean over seeds, 95% interval", "lines": lines,
+                       "xlabel": "RL step (sft-continued: the same training seconds)"})
+    return {"panels": panels, "width": 11}
 
 # -----------------------------------------------------------------------------
 # The command line
