@@ -126,3 +126,11 @@ def test_a_bad_sweep_flag_exits_2_with_one_line(argv, message, capsys):
         sweep.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+def test_the_sweep_figure_draws_each_arms_mean_and_its_paired_gain_with_their_intervals():
+    arm_curves = {"bgpo": {0: {0: 0.10, 1: 0.20}, 25: {0: 0.16, 1: 0.30}}}
+    left, right = (panel["lines"][0] for panel in sweep.sweep_figure(arm_curves)["panels"])
+    assert left["x"] == [0, 25] and left["y"] == pytest.approx([15.0, 23.0])
+    assert right["y"] == pytest.approx([0.0, 8.0])                           # gains 6 and 10 points
+    # s = |6 - 10| / sqrt(2), half-width t_{0.975,1} s / sqrt(2) = 12.706 x 2
+    assert right["band"][1][1] - 8.0 == pytest.approx(12.706 * 2, rel=1e-4)
