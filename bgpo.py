@@ -652,7 +652,8 @@ NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", 
 
 def settings_hash(p, args):
     """"_" and a short hash of every other flag that differs from its default ("" if none): two commands that
-    would compute different runs never share a folder (--demos 200 and --rl-steps 500 each get their own)."""
+    would compute different runs do not share a folder (--demos 200 and --rl-steps 500 each get their own;
+    --device does not enter the name, and run.json records it)."""
     given = {**vars(args), "demos": DEMOS[args.task] if args.demos is None else args.demos}
     defaults = {**vars(p.parse_args([])), "demos": DEMOS[args.task]}
     changed = {name: value for name, value in sorted(given.items()) if name in defaults
@@ -698,6 +699,8 @@ def main(argv=None):
                                                                                            args.overwrite):
         raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
                        f"new one, --overwrite replaces it")
+    if args.overwrite and args.rank == 0 and os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
+        os.remove(os.path.join(run_dir, "ckpt.pt"))   # the replaced run's: never to be resumed with this log
     model = sft_model(args, task)
     if args.stage == "sft":
         return model

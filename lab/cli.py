@@ -34,6 +34,8 @@ def make_parser(prog, description):
     a("--bench-repeats", type=int, default=3, help="update steps timed per row of a memory table")
     return p
 
+NOT_RESULTS = ("plot", "bench_repeats", "final_eval_size")   # lab flags that change what is shown, not a run
+
 def check_args(p, args):
     """The lab's flags checked (p.error: one line, exit code 2), then bgpo.py's by bgpo.check_args, which also
     fills the derived defaults (--demos, --run-name, --device)."""
@@ -58,8 +60,16 @@ def check_args(p, args):
         if not ok:
             p.error(message)
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
+    named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
+    if not named:   # bgpo.py's name, with the lab's shared flags in its hash, as python -m lab.rl names a run
+        common = make_parser("", "")
+        shared = argparse.Namespace(**{k: getattr(args, k) for k in vars(common.parse_args([]))
+                                       if k not in NOT_RESULTS})
+        k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
+        args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
+                         + bgpo.settings_hash(common, shared))
     if args.world > 1:
         p.error("the lab runs in one process (python -m lab...), not under torchrun")
     return args

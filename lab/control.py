@@ -56,6 +56,8 @@ def run_control(args, task):
     batches, spent = sft_batches(task, args, generator), 0.0
     out = control_dir(args)
     os.makedirs(out, exist_ok=True)
+    if os.path.isfile(os.path.join(out, "final.json")):
+        os.remove(os.path.join(out, "final.json"))   # the replaced control's score
     bgpo.write_json(os.path.join(out, "run.json"), bgpo.describe_run(args))
     result = evaluate(model, task, test_prompts, args)
     print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that "

@@ -20,10 +20,12 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    without its 0.1 for a well-formed wrong answer), --no-anchors, --rl-pool N (practise on a fixed pool of
    N training problems and report the accuracy on them beside the held-out one), --final-eval-size N (the
    SFT model and the final one on N held-out problems, in final.json: the sweep's table reads it).
-3. Diagnostics in log.jsonl: the update is built in two parts, the rows with A > 0 and those with
-   A < 0 (each part's A scaled by its share of the rows, so they add up to the same step), logged as
-   grad_pos, grad_neg and their cosine cos_pos_neg; the policy's first-step prediction entropy; the
-   sampler's forward passes per rollout (rollout_passes); the share of well-formed answers (valid).
+3. Diagnostics in log.jsonl: for an objective that is a mean over rows (Objective.row_mean), the update is
+   built in two parts, the rows with A > 0 and those with A < 0 (each part's A scaled by its share of the
+   rows, so they add up to the same step), logged as grad_pos, grad_neg and their cosine cos_pos_neg; the
+   groups that differ by a solve (solve_groups) or by partial credit only (credit_only_groups); the
+   policy's first-step prediction entropy; the sampler's forward passes per rollout (rollout_passes) and
+   the rollouts' seconds; the share of well-formed answers (valid).
    Splitting the update changes the float summation order, so a run here differs from bgpo.py's by
    rounding, not by what it computes.
 """
@@ -88,9 +90,8 @@ def parse_args(argv=None):
     p = make_parser()
     args = p.parse_args(argv)
     # before the objective's own defaults are filled in: a flag given at its default is not a change
-    not_results = ("plot", "bench_repeats", "final_eval_size")   # they change what is shown, not the run
     settings = bgpo.settings_hash(p, argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                                           if k not in not_results}))
+                                                           if k not in cli.NOT_RESULTS}))
     for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"),
                                    ("--no-anchors", args.no_anchors, "stp")):
         if given and args.objective != objective:
@@ -312,6 +313,10 @@ def main(argv=None):
                                                                                            args.overwrite):
         raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
                        f"new one, --overwrite replaces it")
+    for stale in ("ckpt.pt", "final.json"):   # the replaced run's, and a resumed run is scored again
+        if args.stage != "sft" and (args.overwrite or stale == "final.json") and \
+                os.path.isfile(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
     model = bgpo.sft_model(args, task)
     if args.stage == "sft":
         return model

@@ -8,14 +8,16 @@ first rollout prompts; the difference between two arms on one seed is then free 
 Every arm is a named set of flags of python -m lab.rl (the lab's copy of bgpo.run_rl, with its diagnostics)
 or of python -m lab.control; the sweep prints each run's command, so one arm can be run alone. The runs go
 as worker processes (--workers at a time, --threads each), each to its own folder in --out-dir, with its
-console output in console.txt there. A finished run (its final.json) is read, not run again; an interrupted
-one continues from its last checkpoint: running the same command again finishes an interrupted sweep.
+console output in console.txt there. A finished run (its final.json, on --final-eval-size problems) is read,
+not run again; an interrupted RL run continues from its last checkpoint, and a control, or an RL run stopped
+before its first checkpoint, starts again: running the same command again finishes an interrupted sweep.
 
 The table: per arm, the mean over seeds of the final held-out accuracy on --final-eval-size problems, with
 its 95% interval (Student t over seeds), and the paired difference (same seed) from the SFT model and from
---reference, with their intervals. An interval that includes 0 means "not distinguishable here". The figure:
-held-out accuracy (the runs' progress evaluations, --eval-size problems) against the RL step, a line per
-arm with its 95% interval as a band.
+--reference, with their intervals. An interval that includes 0 means "not distinguishable here". Then what
+the RL runs logged (lab.rl's diagnostics). The figure: held-out accuracy (the runs' progress evaluations,
+--eval-size problems) against the RL step, a line per arm with its 95% interval as a band, as it is and
+minus the seed's SFT model.
 """
 import argparse
 import functools
@@ -103,35 +105,42 @@ def sft_finished(args):
     return last == args.sft_steps or last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
 
 def plan(args, flags):
-    """The jobs: each seed's SFT, then its arms (sft-continued after bgpo): dicts with name, argv, folder,
-    after (the jobs it waits for) and done."""
+    """The jobs: each seed's SFT, then its arms (sft-continued after the seed's bgpo run): dicts with name,
+    argv, folder, after (the jobs it waits for) and done (its final.json scored on --final-eval-size)."""
     jobs = []
     for seed in args.seeds:
-        sft_args = bgpo.parse_args([*flags, "--seed", str(seed), "--stage", "sft"])
-        sft = {"name": f"sft seed {seed}", "argv": ["bgpo.py", *flags, "--seed", str(seed), "--stage", "sft"],
-               "folder": None, "log": bgpo.sft_path(sft_args) + ".console.txt", "after": [],
-               "done": sft_finished(sft_args)}
+        sft_argv = [*flags, "--seed", str(seed), "--stage", "sft"]
+        sft = {"name": f"sft seed {seed}", "argv": ["-m", "lab.rl", *sft_argv], "folder": None, "after": [],
+               "log": bgpo.sft_path(rl.parse_args(sft_argv)) + ".console.txt",
+               "done": sft_finished(rl.parse_args(sft_argv))}
         jobs.append(sft)
         for arm in args.arms:
             folder = run_folder(arm, seed, flags, args.final_eval_size)
+            final = os.path.join(folder, "final.json")
+            done = os.path.isfile(final) and json.load(open(final))["size"] == args.final_eval_size
             module = ARMS[arm][0]
             argv = ["-m", module, *arm_argv(arm, seed, flags, args.final_eval_size)]
             if module == "lab.rl" and os.path.isfile(os.path.join(folder, "ckpt.pt")):
-                argv.append("--resume")                # interrupted: continue from its last checkpoint
+                argv.append("--resume")   # interrupted, or scored on other problems: from its last checkpoint
             elif os.path.exists(os.path.join(folder, "log.jsonl")):
                 argv.append("--overwrite")             # stopped before its first checkpoint, or a control
-            after = [sft] + [j for j in jobs if j.get("arm") == "bgpo" and j["seed"] == seed
-                             and module == "lab.control"]
-            jobs.append({"name": f"{arm} seed {seed}", "arm": arm, "seed": seed, "argv": argv,
-                         "folder": folder, "log": os.path.join(folder, "console.txt"), "after": after,
-                         "done": os.path.isfile(os.path.join(folder, "final.json"))})
+            jobs.append({"name": f"{arm} seed {seed}", "arm": arm, "seed": seed, "argv": argv, "after": [sft],
+                         "folder": folder, "log": os.path.join(folder, "console.txt"), "done": done})
+    for job in jobs:   # the control trains for as long as its seed's bgpo run did: after it, in any order
+        if job.get("arm") and ARMS[job["arm"]][0] == "lab.control":
+            job["after"] += [j for j in jobs if j.get("arm") == "bgpo" and j["seed"] == job["seed"]]
+    folders = [job["folder"] for job in jobs if job["folder"]]
+    if len(set(folders)) < len(folders):
+        raise ValueError("two arms would write one folder: with these flags they are the same run")
     return jobs
 
 def run_jobs(jobs, workers, threads):
     """Run the jobs not done yet, `workers` at a time, each a `threads`-thread process, in order as their
-    dependencies allow. Returns the names of the jobs that failed (or could not start)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    dependencies allow, from this directory (so that a relative --out-dir means the same here and there).
+    Returns the names of the jobs that failed, and of those that waited for them."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     todo, running, failed = [j for j in jobs if not j["done"]], [], []
     while todo or running:
         for job, process, log, t0 in list(running):
@@ -154,7 +163,7 @@ def run_jobs(jobs, workers, threads):
                 os.makedirs(os.path.dirname(job["log"]) or ".", exist_ok=True)
                 log = open(job["log"], "a")
                 print(f"start {job['name']}: python {' '.join(job['argv'])}", flush=True)
-                process = subprocess.Popen([sys.executable, *job["argv"]], cwd=root, env=env, stdout=log,
+                process = subprocess.Popen([sys.executable, *job["argv"]], env=env, stdout=log,
                                            stderr=subprocess.STDOUT)
                 running.append((job, process, log, time.time()))
         time.sleep(0.2)
@@ -163,19 +172,19 @@ def run_jobs(jobs, workers, threads):
 # -----------------------------------------------------------------------------
 # The table and the figure, from the runs' files
 
-def read_finals(jobs):
-    """{arm: {seed: final.json}} of the finished runs."""
+def read_finals(jobs, size):
+    """{arm: {seed: final.json}} of the finished runs scored on `size` problems."""
     finals = {}
     for job in jobs:
         path = os.path.join(job["folder"] or "", "final.json")
-        if job.get("arm") and os.path.isfile(path):
+        if job.get("arm") and os.path.isfile(path) and json.load(open(path))["size"] == size:
             finals.setdefault(job["arm"], {})[job["seed"]] = json.load(open(path))
     return finals
 
 def table(finals, reference):
     """Rows: (arm, seeds, mean accuracy and half-width, paired difference from the SFT model, from reference);
     the SFT model's row first. Pairs use the seeds that both arms have."""
-    sft = {seed: f["sft_accuracy"] for arm in finals.values() for seed, f in arm.items()}
+    sft = {seed: f["sft_accuracy"] for arm in finals.values() for seed, f in arm.items()}   # one per seed
     rows = [("SFT model", sorted(sft), interval(list(sft.values())), None, None)]
     for arm, runs in finals.items():
         seeds = sorted(runs)
@@ -183,7 +192,7 @@ def table(finals, reference):
         ref = finals.get(reference, {})
         paired = [s for s in seeds if s in ref]
         rows.append((arm, seeds, interval([accuracy[s] for s in seeds]),
-                     interval([accuracy[s] - sft[s] for s in seeds]),
+                     interval([accuracy[s] - runs[s]["sft_accuracy"] for s in seeds]),
                      interval([accuracy[s] - ref[s]["accuracy"] for s in paired])
                      if paired and arm != reference else None))
     return rows
@@ -220,12 +229,13 @@ def diagnostics(jobs):
         if not (job.get("arm") and ARMS[job["arm"]][0] == "lab.rl" and os.path.isfile(path)):
             continue
         steps = [r for r in map(json.loads, open(path)) if "grad_pos" in r]
-        for r in steps:
-            r["neg_over_pos"] = r["grad_neg"] / r["grad_pos"] if r["grad_pos"] else math.nan
+        for r in steps:   # a part without rows logs 0: then there is no ratio or cosine to take
+            r["neg_over_pos"] = r["grad_neg"] / r["grad_pos"] if r["grad_pos"] > 0 else math.nan
+            r["cos_pos_neg"] = r["cos_pos_neg"] if r["grad_pos"] > 0 and r["grad_neg"] > 0 else math.nan
             r["rollout_share"] = r.get("rollout_seconds", math.nan) / r["seconds"]
         for part, chosen in (("first", steps[:50]), ("last", steps[-50:])):
             for key in fields:
-                values = [r[key] for r in chosen if not math.isnan(r[key])]
+                values = [r.get(key, math.nan) for r in chosen if not math.isnan(r.get(key, math.nan))]
                 if values:
                     runs = per_arm.setdefault(job["arm"], {})
                     runs.setdefault((key, part), []).append(statistics.fmean(values))
@@ -267,6 +277,8 @@ def parse_seeds(text):
         low, _, high = part.partition("-")
         if not (low.strip().isdigit() and (not high or high.strip().isdigit())):
             raise ValueError(part)
+        if high and int(high) < int(low):
+            raise ValueError(part)
         seeds += range(int(low), int(high or low) + 1)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(text)
@@ -297,6 +309,8 @@ def main(argv=None):
     for arm in args.arms + [args.reference]:
         if arm not in ARMS:
             p.error(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+    if args.reference not in args.arms:
+        p.error(f"--reference {args.reference} is not one of --arms {','.join(args.arms)}")
     if len(set(args.arms)) != len(args.arms):
         p.error(f"--arms names an arm twice: {','.join(args.arms)}")
     if "sft-continued" in args.arms and "bgpo" not in args.arms:
@@ -304,20 +318,26 @@ def main(argv=None):
     for name in ("workers", "threads", "final_eval_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for bad in ("--seed", "--stage", "--resume", "--overwrite", "--run-name", "--prompt", "--bench-memory"):
-        if any(f == bad or f.startswith(bad + "=") for f in flags):
-            p.error(f"{bad} is the sweep's to set, not a flag to pass to every run")
-    rl.make_parser().parse_args(flags)   # an unknown or bad flag: one line and exit 2 here, not in a worker
-    jobs = plan(args, flags)
+    # an unknown or bad flag: one line and exit 2 here, not in a worker
+    given, defaults = (vars(rl.make_parser().parse_args(f)) for f in (flags, []))
+    for name in ("seed", "stage", "resume", "overwrite", "run_name", "prompt", "bench_memory"):
+        if given[name] != defaults[name]:   # read as parsed, so that an abbreviation cannot slip through
+            p.error(f"--{name.replace('_', '-')} is the sweep's to set, not a flag to pass to every run")
+    try:
+        jobs = plan(args, flags)
+    except ValueError as e:
+        p.error(str(e))
     out_dir = rl.parse_args(flags).out_dir
     print(f"sweep: {len(args.seeds)} seeds x {len(args.arms)} arms, {args.workers} workers x {args.threads} "
           f"thread(s); {sum(not j['done'] for j in jobs)} of {len(jobs)} jobs to run", flush=True)
     t0 = time.time()
     failed = [] if args.table_only else run_jobs(jobs, args.workers, args.threads)
-    finals = read_finals(jobs)
+    finals = read_finals(jobs, args.final_eval_size)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
     if not finals:
         print("no finished run to tabulate")
-        return None
+        sys.exit(1 if failed else 0)
     rows = table(finals, args.reference)
     print(f"\nruns read ({time.time() - t0:.0f} s for this sweep command):")
     for job in jobs:
@@ -327,10 +347,10 @@ def main(argv=None):
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs)), png)
-    bgpo.write_json(os.path.join(out_dir, "sweep.json"),
-                    {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
+    if not args.table_only:   # the record of the sweep that ran
+        bgpo.write_json(os.path.join(out_dir, "sweep.json"),
+                        {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
     if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
     return rows
 

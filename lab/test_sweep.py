@@ -66,13 +66,13 @@ def test_table_intervals_and_paired_differences_by_hand():
     assert rows["bgpo"][4] is None and rows["rft"][1] == [0, 1]
 
 def run_in_process(jobs, workers, threads):
-    """sweep.run_jobs without worker processes: each job's command called in this one, in plan order."""
-    commands = {"bgpo.py": bgpo.main, "lab.rl": rl.main, "lab.control": control.main}
-    for job in jobs:
-        if not job["done"]:
-            argv = job["argv"][2:] if job["argv"][0] == "-m" else job["argv"][1:]
-            commands[job["argv"][1] if job["argv"][0] == "-m" else job["argv"][0]](argv)
-            job["done"] = True
+    """sweep.run_jobs without worker processes: each job's command (python -m MODULE ...) called in this one,
+    the first whose needs are done first."""
+    commands = {"lab.rl": rl.main, "lab.control": control.main}
+    while not all(job["done"] for job in jobs):
+        job = next(j for j in jobs if not j["done"] and all(dep["done"] for dep in j["after"]))
+        commands[job["argv"][1]](job["argv"][2:])
+        job["done"] = True
     return []
 
 def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_path, monkeypatch, capsys):
@@ -81,7 +81,7 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     monkeypatch.setattr(sweep, "run_jobs", run_in_process)
     flags = tiny_argv(tmp_path, "--sft-steps", "10", "--sft-eval-every", "10", "--val-size", "8",
                       "--rl-steps", "1", "--eval-size", "4")
-    argv = ["--seeds", "0-1", "--arms", "bgpo,rft,sft-continued", "--final-eval-size", "12", *flags]
+    argv = ["--seeds", "0-1", "--arms", "sft-continued,bgpo,rft", "--final-eval-size", "12", *flags]
     rows = {row[0]: row for row in sweep.main(argv)}
     out = capsys.readouterr().out
     finals = {}
@@ -117,7 +117,11 @@ def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_n
     (["--arms", "bgpo,nope"], "unknown arm 'nope'"),
     (["--seeds", "3-x"], "--seeds must be like 0-4"),
     (["--seeds", "1,1"], "--seeds must be like 0-4"),
-    (["--arms", "rft,sft-continued"], "add bgpo to --arms"),
+    (["--arms", "rft,sft-continued", "--reference", "rft"], "add bgpo to --arms"),
+    (["--arms", "bgpo,rft", "--reference", "nt1"], "--reference nt1 is not one of --arms"),
+    (["--seeds", "4-0"], "--seeds must be like 0-4"),
+    (["--run-n", "x"], "--run-name is the sweep's to set"),                    # an abbreviation too
+    (["--neg-weight", "1", "--arms", "bgpo,neg-weight-1"], "two arms would write one folder"),
     (["--seed", "3"], "--seed is the sweep's to set"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
@@ -134,3 +138,9 @@ def test_the_sweep_figure_draws_each_arms_mean_and_its_paired_gain_with_their_in
     assert right["y"] == pytest.approx([0.0, 8.0])                           # gains 6 and 10 points
     # s = |6 - 10| / sqrt(2), half-width t_{0.975,1} s / sqrt(2) = 12.706 x 2
     assert right["band"][1][1] - 8.0 == pytest.approx(12.706 * 2, rel=1e-4)
+
+def test_the_control_finds_the_rl_run_that_its_flags_name_lab_flags_included():
+    for extra in ([], ["--rl-lr", "2e-4"], ["--temperature", "1.0", "--sft-steps", "30"]):
+        expected = os.path.join("out", rl.parse_args(extra).run_name + "_sft-continued")
+        assert sweep.run_folder("sft-continued", 0, extra, 2000) == expected, extra
+    assert rl.parse_args(["--rl-lr", "2e-4"]).run_name != rl.parse_args([]).run_name
