@@ -3,6 +3,7 @@ Figures: each is first plain data, the lines it plots (which the tests check), t
 the one function that needs matplotlib; without it every command still runs and says what it skipped.
 """
 import json
+import os
 
 def read_log(path):
     return [json.loads(line) for line in open(path)]
@@ -68,6 +69,7 @@ def draw(figure, png_path):
         ax.set_title(panel["title"], fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
     fig.savefig(png_path, dpi=80)
     plt.close(fig)
     print(f"wrote {png_path}")

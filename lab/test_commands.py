@@ -60,9 +60,10 @@ def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_
     model with a fresh AdamW."""
     monkeypatch.setattr(offpolicy, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
     bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30"))
+    run = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "30")).run_name   # --rl-lr would name another run
     for start in ([], ["--from-sft"]):
         results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", *start, "--batches", "2",
-                                           "--rl-lr", "1e-2"))
+                                           "--rl-lr", "1e-2", "--run-name", run))
         assert len(results) == 2
         for r in results:
             assert r["max |d|"] > 1e-4 and r["naive (two passes)"][0] < 1e-10, (start, r)
