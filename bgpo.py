@@ -674,6 +674,14 @@ def sft_model(args, task):
         raise RunError(f"{sft_path(args)} was made with {made_with}, not {sft_settings(args)}")
     return load_model(sft_path(args), task, args)
 
+def refuse_to_overwrite(args):
+    """A folder that holds a run is continued (--resume) or replaced (--overwrite), never silently reused."""
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
+                                                                                           args.overwrite):
+        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
+                       f"new one, --overwrite replaces it")
+
 def main(argv=None):
     args = parse_args(argv)
     task, t0 = get_task(args.task), time.time()
@@ -694,13 +702,10 @@ def main(argv=None):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     print(f"task {task.name} | device {args.device} | seed {args.seed}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
-    run_dir = os.path.join(args.out_dir, args.run_name)
-    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
-                                                                                           args.overwrite):
-        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
-                       f"new one, --overwrite replaces it")
-    if args.overwrite and args.rank == 0 and os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
-        os.remove(os.path.join(run_dir, "ckpt.pt"))   # the replaced run's: never to be resumed with this log
+    refuse_to_overwrite(args)
+    old_ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
+    if args.overwrite and args.rank == 0 and os.path.isfile(old_ckpt):
+        os.remove(old_ckpt)   # the replaced run's: never to be resumed with the new log
     model = sft_model(args, task)
     if args.stage == "sft":
         return model

@@ -309,10 +309,7 @@ def main(argv=None):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     print(f"task {task.name} | device {args.device} | seed {args.seed}")
     run_dir = os.path.join(args.out_dir, args.run_name)
-    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
-                                                                                           args.overwrite):
-        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
-                       f"new one, --overwrite replaces it")
+    bgpo.refuse_to_overwrite(args)
     for stale in ("ckpt.pt", "final.json"):   # the replaced run's, and a resumed run is scored again
         if args.stage != "sft" and (args.overwrite or stale == "final.json") and \
                 os.path.isfile(os.path.join(run_dir, stale)):

@@ -177,8 +177,9 @@ def read_finals(jobs, size):
     finals = {}
     for job in jobs:
         path = os.path.join(job["folder"] or "", "final.json")
-        if job.get("arm") and os.path.isfile(path) and json.load(open(path))["size"] == size:
-            finals.setdefault(job["arm"], {})[job["seed"]] = json.load(open(path))
+        final = json.load(open(path)) if job.get("arm") and os.path.isfile(path) else None
+        if final and final["size"] == size:
+            finals.setdefault(job["arm"], {})[job["seed"]] = final
     return finals
 
 def table(finals, reference):

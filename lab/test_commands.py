@@ -60,7 +60,7 @@ def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_
     model with a fresh AdamW."""
     monkeypatch.setattr(offpolicy, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
     bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30"))
-    run = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "30")).run_name   # --rl-lr would name another run
+    run = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "30")).run_name   # --rl-lr names another run
     for start in ([], ["--from-sft"]):
         results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", *start, "--batches", "2",
                                            "--rl-lr", "1e-2", "--run-name", run))
