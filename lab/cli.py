@@ -34,7 +34,8 @@ def make_parser(prog, description):
     a("--bench-repeats", type=int, default=3, help="update steps timed per row of a memory table")
     return p
 
-NOT_RESULTS = ("plot", "bench_repeats", "final_eval_size")   # lab flags that change what is shown, not a run
+# lab flags that change what is shown, not a run
+NOT_RESULTS = ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size")
 
 def check_args(p, args):
     """The lab's flags checked (p.error: one line, exit code 2), then bgpo.py's by bgpo.check_args, which also

@@ -96,6 +96,8 @@ def main(argv=None):
     p = cli.make_parser("python -m lab.control", __doc__.strip().split("\n\n")[0])
     p.add_argument("--final-eval-size", type=int, default=0,
                    help="held-out problems on which the SFT model and the last one are scored (final.json)")
+    p.add_argument("--pass-at-k-size", type=int, default=0,
+                   help="of those, the first N also get pass@k, as python -m lab.rl's (final.json); 0: none")
     args = cli.check_args(p, p.parse_args(argv))
     log = os.path.join(args.out_dir, args.run_name, "log.jsonl")
     if not os.path.isfile(log):

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -51,6 +52,7 @@ from tasks import MAX_TEXT, ParseError, get_task, parse_expression
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO
 MC_SAMPLES = bgpo.make_parser().get_default("mc_samples")                  # bgpo.py's n_t
+PASS_SAMPLES, PASS_K = 32, (1, 2, 4, 8, 16, 32)   # samples per problem for pass@k, and the k reported
 
 def make_parser():
     p = cli.make_parser("python -m lab.rl",
@@ -76,6 +78,9 @@ def make_parser():
       help="what the advantages read: the task's reward, or 1 for a solved problem and 0 otherwise")
     a("--final-eval-size", type=int, default=0,
       help="held-out problems on which the SFT model and the final one are scored into final.json; 0: none")
+    a("--pass-at-k-size", type=int, default=0,
+      help=f"of those, the first N also get pass@k (k up to {PASS_SAMPLES}) from {PASS_SAMPLES} samples each "
+           "at --temperature, in final.json; 0: none")
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
       help="which positions a rollout step commits: the most confident, or uniformly random ones")
     a("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0: fresh ones")
@@ -98,9 +103,13 @@ def parse_args(argv=None):
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
-    for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size)):
+    for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size),
+                        ("--pass-at-k-size", args.pass_at_k_size)):
         if value < 0:
             p.error(f"{flag} must be an integer >= 0, got {value}")
+    if args.pass_at_k_size > args.final_eval_size:
+        p.error(f"--pass-at-k-size {args.pass_at_k_size} is more than --final-eval-size "
+                f"{args.final_eval_size}: pass@k is scored on the first problems of the final evaluation")
     stp = args.objective == "stp"
     for name, default in (("stp_tau", 0.75 if stp else None), ("mc_samples", 3 if stp else MC_SAMPLES),
                           ("updates_per_batch", 4 if args.objective in FIELD else 1),
@@ -172,11 +181,15 @@ def split_by_sign(objective, stats):
 # The loop
 
 def held_out_eval(model, task, args, record, pool=None):
-    """A copy of bgpo.held_out_eval (with the lab's sampler flags), and the accuracy on the --rl-pool
-    problems: adds them to a step's log record; returns the line to print, with three examples."""
-    result = evaluate(model, task, held_out(task, args), args)
-    record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
-    text = f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})"
+    """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the held-out
+    prompts (held_out_entropy) and the accuracy on the --rl-pool problems: adds them to a step's log record;
+    returns the line to print, with three examples."""
+    prompts = held_out(task, args)
+    result = evaluate(model, task, prompts, args)
+    record.update(accuracy=result["accuracy"], eval_reward=result["reward"],
+                  eval_entropy=held_out_entropy(model, task, prompts, args))
+    text = (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f}, "
+            f"entropy {record['eval_entropy']:.3f})")
     if pool:
         record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
         text += f" | pool accuracy {record['pool_accuracy']:.1%}"
@@ -292,6 +305,41 @@ def prediction_entropy(model, prompts, gen_len):
     logp = model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:].log_softmax(-1)
     return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
 
+def held_out_entropy(model, task, prompts, args, batch_size=256):
+    """prediction_entropy, the quantity the training log's "entropy" is on the rollout prompts, averaged over
+    held-out prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
+    values = [prediction_entropy(model, bgpo.encode(task, prompts[i:i + batch_size], device=args.device),
+                                 task.gen_len) * len(prompts[i:i + batch_size])
+              for i in range(0, len(prompts), batch_size)]
+    return sum(values) / len(prompts)
+
+# -----------------------------------------------------------------------------
+# The final evaluation: greedy accuracy, and how much the sampler can reach in k tries
+
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k, the chance that at least one of k samples solves the problem, from
+    n >= k samples of which c solve it: 1 - C(n - c, k) / C(n, k), the chance that k of the n drawn
+    without replacement hold a solve (Chen et al., arXiv 2107.03374, Eq. 1)."""
+    if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int) and 0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: need integers 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+def reach(model, task, prompts, args, generator, per_call=16):
+    """pass@k for k in PASS_K at the rollout temperature, from PASS_SAMPLES samples of each prompt by
+    lab.sampler.sample_rollouts with low-confidence remasking (the rollouts' sampler, without the options of
+    --remasking or STP): {k: (mean over the prompts, its standard error)}."""
+    solves = []   # per prompt, how many of its samples solve it
+    for i in range(0, len(prompts), per_call):
+        chunk = prompts[i:i + per_call]
+        batch = sample_rollouts(model, task, chunk, PASS_SAMPLES, args, generator)
+        solves += (batch.rewards == 1.0).view(-1, PASS_SAMPLES).sum(1).tolist()
+    out = {}
+    for k in PASS_K:
+        values = [pass_at_k(PASS_SAMPLES, c, k) for c in solves]
+        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        out[k] = (statistics.fmean(values), se)
+    return out
+
 def main(argv=None):
     """bgpo.main's steps with the lab's loop: --bench-memory and --prompt as bgpo.py's, else SFT (bgpo.py's),
     run_rl and a summary."""
@@ -331,16 +379,32 @@ def main(argv=None):
 
 def final_evaluation(model, task, args, run_dir, step):
     """The SFT model and the final one on the first --final-eval-size held-out problems (more than the
-    progress evaluations' --eval-size, for a smaller sampling error), written to the run's final.json."""
+    progress evaluations' --eval-size, for a smaller sampling error): greedy accuracy and reward, the
+    entropy (held_out_entropy), and on the first --pass-at-k-size of them pass@k (reach), written to the
+    run's final.json. The samples come from a generator of their own: training has ended, and a run
+    scored with or without them is the same run."""
     prompts = task.sample(args.final_eval_size, "test", 1234)[0]
-    sft = evaluate(bgpo.load_model(bgpo.sft_path(args), task, args), task, prompts, args, n_show=0)
-    final = evaluate(model, task, prompts, args, n_show=0)
-    result = {"run": os.path.basename(run_dir), "step": step, "size": len(prompts),
-              "sft_accuracy": sft["accuracy"],
-              "accuracy": final["accuracy"], "sft_reward": sft["reward"], "reward": final["reward"]}
+    result = {"run": os.path.basename(run_dir), "step": step, "size": len(prompts)}
+    models = {"sft_": bgpo.load_model(bgpo.sft_path(args), task, args), "": model}
+    for prefix, scored in models.items():
+        greedy = evaluate(scored, task, prompts, args, n_show=0)
+        result.update({f"{prefix}accuracy": greedy["accuracy"], f"{prefix}reward": greedy["reward"],
+                       f"{prefix}entropy": held_out_entropy(scored, task, prompts, args)})
+    size = getattr(args, "pass_at_k_size", 0)
+    if size:
+        t0 = time.time()
+        for prefix, scored in models.items():
+            generator = torch.Generator().manual_seed(args.seed + 3)   # the same draws for both models
+            passes = reach(scored, task, prompts[:size], args, generator)
+            result[f"{prefix}pass_at_k"] = {k: mean for k, (mean, _) in passes.items()}
+            result[f"{prefix}pass_at_k_se"] = {k: se for k, (_, se) in passes.items()}
+        result.update(pass_at_k_size=size, pass_at_k_samples=PASS_SAMPLES, pass_at_k_seconds=time.time() - t0)
     bgpo.write_json(os.path.join(run_dir, "final.json"), result)
-    print(f"on {len(prompts)} held-out problems: SFT model {sft['accuracy']:.1%}, step {step} "
-          f"{final['accuracy']:.1%} ({os.path.join(run_dir, 'final.json')})")
+    print(f"on {len(prompts)} held-out problems: SFT model {result['sft_accuracy']:.1%}, step {step} "
+          f"{result['accuracy']:.1%}; entropy {result['sft_entropy']:.3f} -> {result['entropy']:.3f}"
+          + (f"; pass@{PASS_SAMPLES} on the first {size} at T {args.temperature}: "
+             f"{result['sft_pass_at_k'][PASS_SAMPLES]:.1%} -> {result['pass_at_k'][PASS_SAMPLES]:.1%}"
+             if size else "") + f" ({os.path.join(run_dir, 'final.json')})")
     return result
 
 if __name__ == "__main__":

@@ -80,10 +80,10 @@ def show(mean, half, signed=False):
 # -----------------------------------------------------------------------------
 # The runs
 
-def arm_argv(arm, seed, flags, final_eval_size):
+def arm_argv(arm, seed, flags, final_eval_size, pass_at_k_size=0):
     module, arm_flags = ARMS[arm]
     return [*flags, *arm_flags, "--seed", str(seed), "--final-eval-size", str(final_eval_size),
-            "--stage", "rl"]
+            "--pass-at-k-size", str(pass_at_k_size), "--stage", "rl"]
 
 def run_folder(arm, seed, flags, final_eval_size):
     """The folder an arm's run of a seed writes, as its own command names it."""
@@ -91,6 +91,7 @@ def run_folder(arm, seed, flags, final_eval_size):
     if ARMS[arm][0] == "lab.control":
         p = cli.make_parser("python -m lab.control", "")
         p.add_argument("--final-eval-size", type=int, default=0)
+        p.add_argument("--pass-at-k-size", type=int, default=0)
         return control.control_dir(cli.check_args(p, p.parse_args(argv)))
     args = rl.parse_args(argv)
     return os.path.join(args.out_dir, args.run_name)
@@ -103,6 +104,10 @@ def sft_finished(args):
     state = torch.load(bgpo.sft_path(args), map_location="cpu", weights_only=True)
     last = state["curve"][-1]["step"]
     return last == args.sft_steps or last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
+
+def scored(final, args):
+    """Whether a run's final.json is scored as this sweep asks: on as many problems, pass@k on as many."""
+    return final["size"] == args.final_eval_size and final.get("pass_at_k_size", 0) == args.pass_at_k_size
 
 def plan(args, flags):
     """The jobs: each seed's SFT, then its arms (sft-continued after the seed's bgpo run): dicts with name,
@@ -117,9 +122,9 @@ def plan(args, flags):
         for arm in args.arms:
             folder = run_folder(arm, seed, flags, args.final_eval_size)
             final = os.path.join(folder, "final.json")
-            done = os.path.isfile(final) and json.load(open(final))["size"] == args.final_eval_size
+            done = os.path.isfile(final) and scored(json.load(open(final)), args)
             module = ARMS[arm][0]
-            argv = ["-m", module, *arm_argv(arm, seed, flags, args.final_eval_size)]
+            argv = ["-m", module, *arm_argv(arm, seed, flags, args.final_eval_size, args.pass_at_k_size)]
             if module == "lab.rl" and os.path.isfile(os.path.join(folder, "ckpt.pt")):
                 argv.append("--resume")   # interrupted, or scored on other problems: from its last checkpoint
             elif os.path.exists(os.path.join(folder, "log.jsonl")):
@@ -299,6 +304,8 @@ def main(argv=None):
     a("--workers", type=int, default=2, help="runs at a time")
     a("--threads", type=int, default=1, help="threads per run (OMP_NUM_THREADS)")
     a("--final-eval-size", type=int, default=2000, help="held-out problems for the table's final evaluations")
+    a("--pass-at-k-size", type=int, default=100,
+      help=f"of those, the first N also get pass@k from {rl.PASS_SAMPLES} samples each at the rollout temperature")
     a("--png", default=None, help="the figure's path (None: sweep.png in --out-dir); needs matplotlib")
     a("--table-only", action="store_true", help="read the finished runs, run nothing")
     args, flags = p.parse_known_args(argv)
@@ -319,6 +326,9 @@ def main(argv=None):
     for name in ("workers", "threads", "final_eval_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not 0 <= args.pass_at_k_size <= args.final_eval_size:
+        p.error(f"--pass-at-k-size must be in 0..--final-eval-size ({args.final_eval_size}), "
+                f"got {args.pass_at_k_size}")
     # an unknown or bad flag: one line and exit 2 here, not in a worker
     given, defaults = (vars(rl.make_parser().parse_args(f)) for f in (flags, []))
     for name in ("seed", "stage", "resume", "overwrite", "run_name", "prompt", "bench_memory"):

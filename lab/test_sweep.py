@@ -81,7 +81,8 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     monkeypatch.setattr(sweep, "run_jobs", run_in_process)
     flags = tiny_argv(tmp_path, "--sft-steps", "10", "--sft-eval-every", "10", "--val-size", "8",
                       "--rl-steps", "1", "--eval-size", "4")
-    argv = ["--seeds", "0-1", "--arms", "sft-continued,bgpo,rft", "--final-eval-size", "12", *flags]
+    argv = ["--seeds", "0-1", "--arms", "sft-continued,bgpo,rft", "--final-eval-size", "12", "--pass-at-k-size", "3",
+            *flags]
     rows = {row[0]: row for row in sweep.main(argv)}
     out = capsys.readouterr().out
     finals = {}
