@@ -72,9 +72,11 @@ def interval(values):
         return mean, float("nan")
     return mean, t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
 
-def show(mean, half, signed=False):
-    """A proportion and its interval in percent: "17.6 [15.1, 20.1]", or signed: "+5.2 [+1.0, +9.4]"."""
-    f = (lambda v: f"{100 * v:+.1f}") if signed else (lambda v: f"{100 * v:.1f}")
+def show(mean, half, signed=False, percent=True):
+    """A proportion and its interval in percent: "17.6 [15.1, 20.1]", or signed: "+5.2 [+1.0, +9.4]"; with
+    percent=False, the value itself to 3 decimals."""
+    scale, digits = (100, 1) if percent else (1, 3)
+    f = (lambda v: f"{scale * v:+.{digits}f}") if signed else (lambda v: f"{scale * v:.{digits}f}")
     return f(mean) + (f" [{f(mean - half)}, {f(mean + half)}]" if not math.isnan(half) else "")
 
 # -----------------------------------------------------------------------------
@@ -177,49 +179,61 @@ def run_jobs(jobs, workers, threads):
 # -----------------------------------------------------------------------------
 # The table and the figure, from the runs' files
 
+MEASURES = {"accuracy": "greedy accuracy (%)", "pass@32": "pass@32 (%) at the rollout temperature",
+            "entropy": "entropy (nats per position) on the held-out prompts"}
+
 def read_finals(jobs, size):
-    """{arm: {seed: final.json}} of the finished runs scored on `size` problems."""
+    """{arm: {seed: final.json}} of the finished runs scored on `size` problems, with pass@32 (of the final
+    model and the SFT model) as keys of their own where the run scored it."""
     finals = {}
     for job in jobs:
         path = os.path.join(job["folder"] or "", "final.json")
         final = json.load(open(path)) if job.get("arm") and os.path.isfile(path) else None
         if final and final["size"] == size:
+            for prefix in ("", "sft_"):
+                if prefix + "pass_at_k" in final:
+                    final[prefix + "pass@32"] = final[prefix + "pass_at_k"][str(rl.PASS_SAMPLES)]
             finals.setdefault(job["arm"], {})[job["seed"]] = final
     return finals
 
-def table(finals, reference):
-    """Rows: (arm, seeds, mean accuracy and half-width, paired difference from the SFT model, from reference);
-    the SFT model's row first. Pairs use the seeds that both arms have."""
-    sft = {seed: f["sft_accuracy"] for arm in finals.values() for seed, f in arm.items()}   # one per seed
+def table(finals, reference, measure="accuracy"):
+    """Rows: (arm, seeds, mean of the measure and half-width, paired difference from the SFT model, from
+    reference); the SFT model's row first. Pairs use the seeds that both arms have; runs without the measure
+    (scored before it existed) are left out."""
+    finals = {arm: {s: f for s, f in runs.items() if measure in f} for arm, runs in finals.items()}
+    finals = {arm: runs for arm, runs in finals.items() if runs}
+    sft = {seed: f["sft_" + measure] for arm in finals.values() for seed, f in arm.items()}   # one per seed
     rows = [("SFT model", sorted(sft), interval(list(sft.values())), None, None)]
     for arm, runs in finals.items():
         seeds = sorted(runs)
-        accuracy = {s: runs[s]["accuracy"] for s in seeds}
+        value = {s: runs[s][measure] for s in seeds}
         ref = finals.get(reference, {})
         paired = [s for s in seeds if s in ref]
-        rows.append((arm, seeds, interval([accuracy[s] for s in seeds]),
-                     interval([accuracy[s] - runs[s]["sft_accuracy"] for s in seeds]),
-                     interval([accuracy[s] - ref[s]["accuracy"] for s in paired])
+        rows.append((arm, seeds, interval([value[s] for s in seeds]),
+                     interval([value[s] - runs[s]["sft_" + measure] for s in seeds]),
+                     interval([value[s] - ref[s][measure] for s in paired])
                      if paired and arm != reference else None))
     return rows
 
-def print_table(rows, reference, size):
-    print(f"\nheld-out accuracy (%) on {size} problems, mean over seeds [95% interval, Student t]; "
-          f"differences paired by seed\n{'arm':<14} {'seeds':<11} {'accuracy':<22} {'minus SFT model':<22} "
-          f"minus {reference}")
-    for arm, seeds, accuracy, minus_sft, minus_ref in rows:
-        print(f"{arm:<14} {','.join(map(str, seeds)):<11} {show(*accuracy):<22} "
-              f"{show(*minus_sft, signed=True) if minus_sft else '':<22} "
-              f"{show(*minus_ref, signed=True) if minus_ref else ''}")
+def print_table(rows, reference, size, measure="accuracy"):
+    percent = measure != "entropy"
+    where = f"on the first {size} of those" if measure == "pass@32" else f"on {size} problems"
+    print(f"\n{MEASURES[measure]} {where}, mean over seeds [95% interval, Student t]; differences paired by "
+          f"seed\n{'arm':<14} {'seeds':<11} {measure:<22} {'minus SFT model':<22} minus {reference}")
+    for arm, seeds, value, minus_sft, minus_ref in rows:
+        print(f"{arm:<14} {','.join(map(str, seeds)):<11} {show(*value, percent=percent):<22} "
+              f"{show(*minus_sft, signed=True, percent=percent) if minus_sft else '':<22} "
+              f"{show(*minus_ref, signed=True, percent=percent) if minus_ref else ''}")
 
-def curves(jobs):
-    """{arm: {step: {seed: accuracy}}} from the finished runs' progress evaluations (log.jsonl)."""
+def curves(jobs, key="accuracy"):
+    """{arm: {step: {seed: value}}} of a logged quantity at the finished runs' progress evaluations
+    (log.jsonl): "accuracy", or "eval_entropy"."""
     out = {}
     for job in jobs:
         if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
             for r in map(json.loads, open(os.path.join(job["folder"], "log.jsonl"))):
-                if "accuracy" in r:
-                    out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r["accuracy"]
+                if key in r:
+                    out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r[key]
     return out
 
 def diagnostics(jobs):
@@ -256,22 +270,44 @@ def diagnostics(jobs):
         print(f"{label:<38}" + "".join(f"{cell:>16}" for cell in cells))
     return per_arm
 
-def sweep_figure(arm_curves):
+def band(values_by_x, offset=None):
+    """A line with its band: per x, the mean over seeds of the values (minus offset[seed]) and its 95%
+    interval."""
+    xs = sorted(values_by_x)
+    stats = [interval([v - (offset[seed] if offset else 0) for seed, v in values_by_x[x].items()])
+             for x in xs]
+    return {"x": xs, "y": [m for m, _ in stats], "style": "o-",
+            "band": ([m - h for m, h in stats], [m + h for m, h in stats])}
+
+def sweep_figure(arm_curves, entropy_curves=None, finals=None):
     """Held-out accuracy against the RL step, per arm the mean over seeds and its 95% interval as a band: as
-    it is (left), and minus the same seed's SFT model, step 0 (right: paired, so the SFT lottery cancels)."""
+    it is, and minus the same seed's SFT model, step 0 (paired, so the SFT lottery cancels); then, where the
+    runs have them, pass@k against k of the final models and the SFT model, and the entropy against the
+    step."""
     panels = []
     for title, paired in (("held-out accuracy (%)", False), ("minus the seed's SFT model (points)", True)):
         lines = []
         for arm, by_step in arm_curves.items():
-            steps = sorted(by_step)
-            stats = [interval([100 * (acc - by_step[0][seed] * paired) for seed, acc in by_step[s].items()])
-                     for s in steps]
-            lines.append({"label": f"{arm} ({len(by_step[steps[-1]])} seeds)", "x": steps,
-                          "y": [m for m, _ in stats], "style": "o-",
-                          "band": ([m - h for m, h in stats], [m + h for m, h in stats])})
+            percent = {step: {seed: 100 * v for seed, v in values.items()}
+                       for step, values in by_step.items()}
+            lines.append({"label": f"{arm} ({len(by_step[max(by_step)])} seeds)",
+                          **band(percent, percent[0] if paired else None)})
         panels.append({"title": f"{title}: mean over seeds, 95% interval", "lines": lines,
                        "xlabel": "RL step (sft-continued: the same training seconds)"})
-    return {"panels": panels, "width": 11}
+    reach = {}   # label: {k: {seed: pass@k in percent}}
+    for arm, runs in (finals or {}).items():
+        for seed, f in runs.items():
+            for label, prefix in (("SFT model", "sft_"), (arm, "")):
+                for k, v in f.get(prefix + "pass_at_k", {}).items():
+                    reach.setdefault(label, {}).setdefault(int(k), {})[seed] = 100 * v
+    if reach:
+        panels.append({"title": "pass@k at the rollout temperature (%), final models", "xlabel": "k",
+                       "xscale": "log",
+                       "lines": [{"label": label, **band(by_k)} for label, by_k in reach.items()]})
+    if entropy_curves:
+        panels.append({"title": "entropy on the held-out prompts (nats per position)", "xlabel": "RL step",
+                       "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})
+    return {"panels": panels, "width": 5.5 * len(panels)}
 
 # -----------------------------------------------------------------------------
 # The command line
@@ -305,7 +341,8 @@ def main(argv=None):
     a("--threads", type=int, default=1, help="threads per run (OMP_NUM_THREADS)")
     a("--final-eval-size", type=int, default=2000, help="held-out problems for the table's final evaluations")
     a("--pass-at-k-size", type=int, default=100,
-      help=f"of those, the first N also get pass@k from {rl.PASS_SAMPLES} samples each at the rollout temperature")
+      help=f"of those, the first N also get pass@k from {rl.PASS_SAMPLES} samples each at the rollout "
+           "temperature")
     a("--png", default=None, help="the figure's path (None: sweep.png in --out-dir); needs matplotlib")
     a("--table-only", action="store_true", help="read the finished runs, run nothing")
     args, flags = p.parse_known_args(argv)
@@ -354,10 +391,15 @@ def main(argv=None):
     for job in jobs:
         if job.get("arm") and job["seed"] in finals.get(job["arm"], {}):
             print(f"  {job['folder']}: python {' '.join(job['argv'])}")
-    print_table(rows, args.reference, next(iter(next(iter(finals.values())).values()))["size"])
+    any_final = next(iter(next(iter(finals.values())).values()))
+    print_table(rows, args.reference, any_final["size"])
+    for measure in ("pass@32", "entropy"):
+        more = table(finals, args.reference, measure)
+        if len(more) > 1:
+            print_table(more, args.reference, any_final.get("pass_at_k_size"), measure)
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
-    draw(sweep_figure(curves(jobs)), png)
+    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals), png)
     if not args.table_only:   # the record of the sweep that ran
         bgpo.write_json(os.path.join(out_dir, "sweep.json"),
                         {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})

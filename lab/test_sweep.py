@@ -3,6 +3,7 @@ The sweep (python -m lab.sweep) and its arms: the RFT arm's update against BGPO'
 each ablation arm's flags against the default's, the intervals against published t quantiles and by hand,
 a tiny sweep end to end, and its worker pool's order and failures.
 """
+import itertools
 import json
 import math
 import os
@@ -14,7 +15,8 @@ import torch
 import bgpo
 from lab import control, objectives, rl, sweep
 from lab.sampler import Rollouts
-from lab.testing import grads, on_policy_setup, tiny_argv
+from lab.testing import grads, on_policy_setup, read_log, tiny_argv
+from tasks import get_task
 
 def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_and_0_elsewhere():
     """lab.rl --advantages rft, through the lab's update (rows with A = 0 dropped, the rest rescaled, the
@@ -64,6 +66,14 @@ def test_table_intervals_and_paired_differences_by_hand():
                                (rows["rft"][4], (-0.03, half(-0.05, -0.01)))]:   # minus bgpo: -0.05, -0.01
         assert got[0] == pytest.approx(mean) and got[1] == pytest.approx(width, rel=1e-4)
     assert rows["bgpo"][4] is None and rows["rft"][1] == [0, 1]
+    scored = [*finals["bgpo"].values(), finals["rft"][0]]
+    for f, (value, sft) in zip(scored, [(1.0, 1.5), (0.8, 1.1), (0.7, 1.5)]):
+        f.update(entropy=value, sft_entropy=sft)   # seed 1's rft run was scored before the entropy was
+    rows = {row[0]: row for row in sweep.table(finals, "bgpo", "entropy")}
+    assert rows["rft"][1] == [0] and rows["rft"][4][0] == pytest.approx(-0.3)
+    assert math.isnan(rows["rft"][4][1])   # one pair: no interval
+    assert rows["bgpo"][3][0] == pytest.approx(-0.4)
+    assert rows["bgpo"][3][1] == pytest.approx(half(-0.5, -0.3), rel=1e-4)
 
 def run_in_process(jobs, workers, threads):
     """sweep.run_jobs without worker processes: each job's command (python -m MODULE ...) called in this one,
@@ -81,8 +91,8 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     monkeypatch.setattr(sweep, "run_jobs", run_in_process)
     flags = tiny_argv(tmp_path, "--sft-steps", "10", "--sft-eval-every", "10", "--val-size", "8",
                       "--rl-steps", "1", "--eval-size", "4")
-    argv = ["--seeds", "0-1", "--arms", "sft-continued,bgpo,rft", "--final-eval-size", "12", "--pass-at-k-size", "3",
-            *flags]
+    argv = ["--seeds", "0-1", "--arms", "sft-continued,bgpo,rft", "--final-eval-size", "12",
+            "--pass-at-k-size", "3", *flags]
     rows = {row[0]: row for row in sweep.main(argv)}
     out = capsys.readouterr().out
     finals = {}
@@ -99,6 +109,7 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     sft = [finals["bgpo", s]["sft_accuracy"] for s in (0, 1)]
     assert [finals[arm, s]["sft_accuracy"] for arm in ("rft", "sft-continued") for s in (0, 1)] == sft * 2, (
         "every arm of a seed starts from the same SFT model")
+    assert "pass@32 (%) at the rollout temperature on the first 3 of those" in out
     assert "0 of 8 jobs to run" in (sweep.main(argv) and capsys.readouterr().out), "finished runs are read"
 
 def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_needs_failed(tmp_path, capsys):
@@ -145,3 +156,59 @@ def test_the_control_finds_the_rl_run_that_its_flags_name_lab_flags_included():
         expected = os.path.join("out", rl.parse_args(extra).run_name + "_sft-continued")
         assert sweep.run_folder("sft-continued", 0, extra, 2000) == expected, extra
     assert rl.parse_args(["--rl-lr", "2e-4"]).run_name != rl.parse_args([]).run_name
+
+# -----------------------------------------------------------------------------
+# The final evaluation: pass@k and the entropy
+
+def test_pass_at_k_equals_the_share_of_k_subsets_of_the_samples_that_hold_a_solve():
+    """The unbiased estimator against brute force: every k-subset of n samples of which c solve."""
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert rl.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+    with pytest.raises(ValueError, match="pass_at_k"):
+        rl.pass_at_k(4, 5, 2)
+
+class FixedPredictions(torch.nn.Module):
+    """A model whose prediction at completion position i is uniform over (i mod 3) + 2 tokens, whatever the
+    input (MASK's logit -inf, as TinyDLLM's): entropy log 2, log 3, log 4, log 2, ..."""
+    def __init__(self, vocab_size, mask_id, prompt_len):
+        super().__init__()
+        self.config = type("Config", (), {"mask_id": mask_id})
+        self.vocab_size, self.prompt_len = vocab_size, prompt_len
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        logits = torch.full((B, T, self.vocab_size), -30.0)
+        for t in range(T):
+            ids = [v for v in range(self.vocab_size) if v != self.config.mask_id]
+            logits[:, t, ids[:(t - self.prompt_len) % 3 + 2]] = 0.0
+        logits[..., self.config.mask_id] = -math.inf
+        return logits
+
+def test_the_held_out_entropy_equals_its_value_by_hand():
+    task = get_task("arithmetic")
+    model = FixedPredictions(task.tokenizer.vocab_size, task.tokenizer.mask_id, task.prompt_len)
+    expected = sum(math.log(i % 3 + 2) for i in range(task.gen_len)) / task.gen_len
+    args = rl.parse_args(["--task", "arithmetic", "--device", "cpu"])
+    prompts = task.sample(5, "test", 0)[0]
+    assert rl.held_out_entropy(model, task, prompts, args, batch_size=2) == pytest.approx(expected, abs=1e-6)
+
+def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unchanged(tmp_path):
+    """Evaluation draws no random number of training's: a run evaluated every step and scored for pass@k
+    logs the same training numbers as one evaluated once, without pass@k."""
+    often = tiny_argv(tmp_path, "--eval-every", "1", "--final-eval-size", "8", "--pass-at-k-size", "4")
+    rarely = tiny_argv(tmp_path, "--eval-every", "2")
+    logs = []
+    for argv in (often, rarely):
+        rl.main(argv)
+        logs.append(read_log(os.path.join(tmp_path, rl.parse_args(argv).run_name, "log.jsonl")))
+    final = json.load(open(os.path.join(tmp_path, rl.parse_args(often).run_name, "final.json")))
+    assert final["pass_at_k_size"] == 4 and set(final["pass_at_k"]) == {str(k) for k in rl.PASS_K}
+    assert "eval_entropy" in logs[0][1] and "eval_entropy" not in logs[1][1]
+    timing = {"seconds", "rollout_seconds"}
+    for a, b in zip(*logs):
+        assert {k: a[k] for k in b if k not in timing} == {k: v for k, v in b.items() if k not in timing}
