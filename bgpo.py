@@ -31,7 +31,6 @@ Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size
 (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
 """
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -218,6 +217,7 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
         self.t = t
 
 # -----------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # 4. The script: SFT on demonstrations, then RL with the verifier
 
 DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
@@ -289,21 +289,10 @@ def save_checkpoint(path, **state):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
-def write_json(path, obj):
+def write_text(path, text):   # as save_checkpoint does
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
     os.replace(path + ".tmp", path)
-
-def describe_run(args):
-    """What made a run, for its folder's run.json: the command, every flag, the code and the machine."""
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
-            "device": args.device, "threads": torch.get_num_threads(), "processes": args.world,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 def load_checkpoint(path, task, config=None):
     """Load a checkpoint, checking that it was made for this task, tokenizer and model config (if given)."""
@@ -323,28 +312,25 @@ def load_model(path, task, args):
     model.load_state_dict(load_checkpoint(path, task, model.config)["model"])
     return model.to(args.device)
 
+def processes(args):   # under torchrun, other random draws: the runs' files get names of their own
+    return f"_{args.world}processes" if args.world > 1 else ""
+
 def sft_path(args):
     """The SFT checkpoint's name records every setting that changes the kept model: --stage all reuses it."""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
-                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{args.dp_suffix}.pt")
-
-def sft_settings(args):
-    """Every setting that changes the kept SFT model, as its checkpoint records them (and its name spells)."""
-    return {"task": args.task, "demos": args.demos, "steps": args.sft_steps, "batch": SFT_BATCH, "lr": SFT_LR,
-            "val_size": args.val_size, "eval_every": args.sft_eval_every, "patience": SFT_PATIENCE,
-            "model": [args.n_layer, args.n_head, args.n_embd], "seed": args.seed, "processes": args.world}
+                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}.pt")
 
 def sft_batches(task, args, generator):
-    """An endless stream of (x, y) SFT batches, random draws from the --demos demonstrations: training
-    problems with their answers, the same set for every run of a seed. --demos 0: fresh ones every step.
-    Data parallel: each process draws its SFT_BATCH / world rows (with replacement: as one draw would)."""
+    """Endless (x, y) SFT batches drawn with replacement from the --demos demonstrations (training problems
+    with answers, one set per seed; 0: fresh ones every step); each process draws SFT_BATCH / world rows."""
     n = SFT_BATCH // args.world
     while not args.demos:
         yield encode(task, *task.sample(n, "train", generator), device=args.device)
     x, y = encode(task, *task.sample(args.demos, "train", 10_000 + args.seed), device=args.device)
     while True:
-        yield x[rows := torch.randint(args.demos, (n,), generator=generator).to(args.device)], y[rows]
+        rows = torch.randint(args.demos, (n,), generator=generator).to(args.device)
+        yield x[rows], y[rows]
 
 def sft_lr_at(args, step):
     """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
@@ -352,10 +338,9 @@ def sft_lr_at(args, step):
     return SFT_LR * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 def run_sft(args, task):
-    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss). Every --sft-eval-every
-    steps, greedy answers to the validation problems are scored by the verifier (no answers needed);
-    the model with the best validation reward is kept, and SFT stops once it has not improved for
-    SFT_PATIENCE evaluations: more SFT on a few hundred demonstrations memorises them."""
+    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss). Every --sft-eval-every steps the
+    verifier scores greedy answers to validation problems; the best model is kept, and SFT stops after
+    SFT_PATIENCE evaluations without progress: more SFT on a few hundred demonstrations memorises them."""
     torch.manual_seed(args.seed)  # the initial weights: the same on every process
     model = make_model(task, args).to(args.device)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
@@ -389,8 +374,7 @@ def run_sft(args, task):
             best, best_weights = curve[-1], {k: v.clone() for k, v in model.state_dict().items()}
         if args.rank == 0:  # the best model so far and the whole curve: an interrupted SFT keeps them
             save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve,
-                            settings=sft_settings(args))
+                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve)
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
                    f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
                    f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
@@ -418,9 +402,9 @@ def held_out_eval(model, task, args, record):
             + "\n".join(result["examples"]))
 
 def run_rl(args, task, model):
-    """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers).
-    The loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the
-    step's log record, and every --eval-every steps a held-out evaluation and a checkpoint."""
+    """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers). The
+    loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the step's log
+    record, and every --eval-every steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
@@ -440,13 +424,11 @@ def run_rl(args, task, model):
         show_unmasking(model, task, held_out(task, args)[0], args)
         start, records = 1, [{"step": 0}]
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
-    if args.rank == 0:   # one voice: rank 0 writes the log and the checkpoints
+    if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
         os.makedirs(run_dir, exist_ok=True)
+        write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
         if not args.resume:
-            write_json(os.path.join(run_dir, "run.json"), describe_run(args))
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        os.replace(log_path + ".tmp", log_path)   # whole, for the other processes may be reading it to resume
+            write_text(os.path.join(run_dir, "run.json"), json.dumps(describe_run(args), indent=1))
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
@@ -467,19 +449,19 @@ def run_rl(args, task, model):
         with ActivationMemory(model) as memory:
             for rows in torch.arange(B, device=A.device).chunk(args.minibatches):
                 keep = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal, leave it out
-                inputs = (x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep]),
-                          None if old_terms is None else old_terms[keep],
-                          A[keep] * (len(keep) / len(rows)))  # so the mean over the mini-batch is unchanged
+                x_k, y_k, mc_k = x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
+                old_k = None if old_terms is None else old_terms[keep]
+                A_k = A[keep] * (len(keep) / len(rows))   # so that the mean over the mini-batch is unchanged
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
-                if len(keep) and args.objective == "bgpo":
-                    loss = bgpo_backward(model, *inputs, clip_eps, args.mc_chunk)  # backward per MC sample
-                elif len(keep):
-                    loss = naive_loss(model, *inputs, clip_eps)             # one graph over all n_t samples
-                    loss.backward()
-                    loss = loss.item()
-                loss, kept = average_gradients(model, args, loss, len(keep))   # means over the processes
-                if not kept:  # no process kept a row (an Adam step without a gradient still moves weights)
+                if len(keep) and args.objective == "bgpo":   # backward per MC sample
+                    loss = bgpo_backward(model, x_k, y_k, mc_k, old_k, A_k, clip_eps, args.mc_chunk)
+                elif len(keep):                               # one graph over all n_t samples
+                    naive = naive_loss(model, x_k, y_k, mc_k, old_k, A_k, clip_eps)
+                    naive.backward()
+                    loss = naive.item()
+                loss, mean_rows = average_gradients(model, args, loss, len(keep))  # means over the processes
+                if mean_rows == 0:  # no process kept a row: no step (Adam would move the weights anyway)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
@@ -498,15 +480,15 @@ def run_rl(args, task, model):
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
                 f"{r['seconds']:.2f} s")
-        if step % args.eval_every == 0 or step == args.rl_steps:
+        evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
+        if evaluation:
             line += " | " + held_out_eval(model, task, args, r)
+            rngs, saved = everyone(generator.get_state(), args), step   # every process's, for --resume
         print(line)
-        if "accuracy" in r:  # a checkpoint, with every process's random stream for --resume
-            rngs, saved = everyone(generator.get_state(), args), step
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
             with open(log_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
-            if "accuracy" in r:
+            if evaluation:
                 save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
                                 config=asdict(model.config), step=step, model=model.state_dict(),
                                 optimizer=optimizer.state_dict(), rng=rngs)
@@ -527,38 +509,59 @@ def show_unmasking(model, task, prompt, args):
 
 def bench_memory(args, task):
     """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
-    and time depend on the shapes, not the values), by each objective at n_t = 1..64: the peak activation
-    memory (ActivationMemory, in a pass of its own: its hooks run in Python once per saved tensor, and BGPO
-    saves n_t times as many) and the median time of 3 updates without the hooks. Returns the rows."""
+    and time depend on the shapes, not the values), by each objective at n_t = 1..64. Returns the rows,
+    {"n_t": n_t, "naive": measure_update(...), "bgpo": measure_update(...)}; an update that runs out of
+    memory is "out of memory" in its row (None there), and the table goes on."""
     torch.manual_seed(args.seed)
-    model = make_model(task, args).to(args.device)
+    model, cuda = make_model(task, args).to(args.device), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     x, y = encode(task, *task.sample(B, "train", generator), device=args.device)
     A = group_advantages(torch.rand(B, generator=generator), args.group_size).to(args.device)
     print(f"model {model.num_params() / 1e6:.2f}M params | {task.name}, B = {B}, L = {task.gen_len} | BGPO's "
           f"--mc-chunk {args.mc_chunk} | device {args.device} | median of 3 updates\n"
-          f" n_t | naive MB  BGPO MB naive/BGPO | naive s  BGPO s BGPO/naive")
+          f" n_t | naive MB  BGPO MB naive/BGPO | naive s  BGPO s BGPO/naive"
+          + (" | CUDA peak MB: naive   BGPO" if cuda else ""))
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
-        mc, row = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device), [n_t]
-        for update in (lambda: naive_loss(model, x, y, mc, None, A).backward(),
-                       lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk)):
-            with ActivationMemory(model) as memory:
-                update()
-            times = []
-            for _ in range(3):
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                update()
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
-                times.append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-            row += [memory.peak / 2**20, statistics.median(times)]
-        rows.append(row)
-        print(f"{n_t:>4} | {row[1]:>8.1f} {row[3]:>8.1f} {row[1] / row[3]:>10.2f} | {row[2]:>7.3f} "
-              f"{row[4]:>7.3f} {row[4] / row[2]:>10.2f}")
+        mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
+        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward(), cuda)
+        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk),
+                              cuda)
+        rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
+        if naive and bgpo:
+            print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
+                  f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
+                  + (f" | {naive['cuda_mb']:>19.1f} {bgpo['cuda_mb']:>6.1f}" if cuda else ""))
+        else:
+            print(f"{n_t:>4} | " + " | ".join(f"{name}: " + (f"{m['mb']:.1f} MB, {m['s']:.3f} s" if m else
+                                                            "out of memory")
+                                             for name, m in (("naive", naive), ("BGPO", bgpo))))
     return rows
+
+def measure_update(model, update, cuda):
+    """{"mb": update()'s peak activation memory (ActivationMemory, in a pass of its own: its hooks run in
+    Python for every saved tensor), "s": its median time over 3 more, "cuda_mb": the CUDA allocator's peak
+    (None on the CPU)}, or None if it ran out of memory."""
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        with ActivationMemory(model) as memory:
+            update()
+        times = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            update()
+            if cuda:
+                torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
+            times.append(time.perf_counter() - t0)
+        return {"mb": memory.peak / 2**20, "s": statistics.median(times),
+                "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
 
 # -----------------------------------------------------------------------------
 # 6. The command line
@@ -577,8 +580,7 @@ def make_parser():
     a("--seed", type=int, default=0, help="seed for weights, data and sampling")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     a("--out-dir", default="out", help="where checkpoints and logs go")
-    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS, "
-      "then a hash of the other flags off their defaults)")
+    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS)")
     a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     a("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
@@ -599,7 +601,7 @@ def make_parser():
     a("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO")
     a("--minibatches", type=int, default=1,
       help="updates per rollout batch, each on the next K-th of its groups; 2: the paper's off-policy scheme")
-    a("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each")
+    a("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each (more on --resume: longer)")
     a("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     a("--group-size", type=int, default=8, help="completions per prompt, G")
     a("--eval-every", type=int, default=25, help="RL steps between held-out evaluations and checkpoints")
@@ -607,33 +609,35 @@ def make_parser():
     return p
 
 def check_args(p, args):
-    """Check the flags against each other (p.error: one line, exit code 2) and fill the derived defaults."""
-    for name, value in vars(args).items():   # every integer flag but these two counts something
-        if type(value) is int and name not in ("seed", "demos") and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    task, k = get_task(args.task), f"_k{args.minibatches}" if args.minibatches > 1 else ""
+    """Check the flags (p.error: one line, exit code 2) and fill in what they leave to be derived."""
+    for name, value in vars(args).items():   # every integer flag but --seed counts something
+        least = {"seed": -math.inf, "demos": 0, "group_size": 2}.get(name, 1)   # --group-size: A compares
+        if type(value) is int and value < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     args.rank, args.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
-    args.dp_suffix = f"_{args.world}processes" if args.world > 1 else ""   # torchrun: other draws, other run
-    args.run_name = args.run_name or (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
-                                      + args.dp_suffix + settings_hash(p, args))
-    ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-    for ok, message in [
-            (args.demos >= 0, f"--demos must be >= 0, got {args.demos}"),
-            (args.n_embd % args.n_head == 0, f"--n-head {args.n_head} must divide --n-embd {args.n_embd}"),
-            (args.group_size >= 2, f"--group-size must be at least 2 (A compares), got {args.group_size}"),
-            (args.objective == "bgpo" or args.mc_chunk == 1, "--mc-chunk is an option of --objective bgpo"),
-            (args.mc_chunk <= args.mc_samples, f"--mc-chunk {args.mc_chunk} is larger than --mc-samples"),
-            (args.prompts_per_step % (args.world * args.minibatches) == 0, (f"{args.world} processes x " if
-             args.world > 1 else "") + f"--minibatches {args.minibatches} must divide --prompts-per-step "
-             f"{args.prompts_per_step} (each mini-batch of each process is whole groups)"),
-            (SFT_BATCH % args.world == 0, f"{args.world} processes must divide the SFT batch of {SFT_BATCH}"),
-            (not args.resume or os.path.isfile(ckpt), f"--resume: no run to resume at {ckpt}"),
-            (not args.resume or args.stage != "sft", "--resume continues an RL run: use --stage rl or all"),
-            (args.prompt is None or re.fullmatch(task.prompt_pattern, args.prompt), f"--prompt "
-             f"{args.prompt!r}: not a {args.task} problem like {task.sample(1, 'test', 0)[0][0]!r}")]:
-        if not ok:
-            p.error(message)
+    k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
+    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}" \
+        + processes(args)
+    ckpt, task = os.path.join(args.out_dir, args.run_name, "ckpt.pt"), get_task(args.task)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
+    if args.mc_chunk > 1 and args.objective != "bgpo":
+        p.error("--mc-chunk is an option of --objective bgpo")
+    if args.mc_chunk > args.mc_samples:
+        p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
+    if args.prompts_per_step % (args.world * args.minibatches):
+        p.error((f"{args.world} processes x " if args.world > 1 else "") + f"--minibatches "
+                f"{args.minibatches} must divide --prompts-per-step {args.prompts_per_step} (a mini-batch is "
+                "whole groups)")
+    if SFT_BATCH % args.world:
+        p.error(f"{args.world} processes must divide the SFT batch of {SFT_BATCH}")
+    if args.resume and (args.stage == "sft" or not os.path.isfile(ckpt)):
+        p.error(f"--resume continues an RL run: use --stage rl or all" if args.stage == "sft" else
+                f"--resume: no run to resume at {ckpt}")
+    if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
+        example = task.sample(1, "test", 0)[0][0]
+        p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {example!r}")
     if args.device == "auto":
         args.device = ("cuda" if torch.cuda.is_available() else
                        "mps" if torch.backends.mps.is_available() else "cpu")
@@ -645,21 +649,6 @@ def check_args(p, args):
         p.error(f"--device {args.device} is not available here")
     return args
 
-# The flags that name a run in words, and those that change where it is written or how it is read, not what
-# it computes; every other flag that differs from its default goes into the run's name as a hash.
-IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
-NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
-
-def settings_hash(p, args):
-    """"_" and a short hash of every other flag that differs from its default ("" if none): two commands that
-    would compute different runs do not share a folder (--demos 200 and --rl-steps 500 each get their own;
-    --device does not enter the name, and run.json records it)."""
-    given = {**vars(args), "demos": DEMOS[args.task] if args.demos is None else args.demos}
-    defaults = {**vars(p.parse_args([])), "demos": DEMOS[args.task]}
-    changed = {name: value for name, value in sorted(given.items()) if name in defaults
-               and name not in IN_WORDS + NOT_RESULTS and value != defaults[name]}
-    return "_" + hashlib.sha1(repr(changed).encode()).hexdigest()[:6] if changed else ""
-
 def parse_args(argv=None):
     p = make_parser()
     return check_args(p, p.parse_args(argv))
@@ -669,18 +658,35 @@ def sft_model(args, task):
     if args.stage == "sft" or (args.stage == "all" and not os.path.isfile(sft_path(args))):
         return run_sft(args, task)
     print(f"loading the SFT model {sft_path(args)}")
-    made_with = load_checkpoint(sft_path(args), task).get("settings", sft_settings(args))  # older: unrecorded
-    if made_with != sft_settings(args):
-        raise RunError(f"{sft_path(args)} was made with {made_with}, not {sft_settings(args)}")
     return load_model(sft_path(args), task, args)
 
+def describe_run(args):
+    """What made a run, for run.json beside its checkpoint: the command, the flags, the code, the machine."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
+            "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
+
+NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
+
 def refuse_to_overwrite(args):
-    """A folder that holds a run is continued (--resume) or replaced (--overwrite), never silently reused."""
+    """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
+    a larger --rl-steps makes it longer) or replaced (--overwrite), never silently reused."""
     run_dir = os.path.join(args.out_dir, args.run_name)
-    if args.stage != "sft" and os.path.isfile(os.path.join(run_dir, "log.jsonl")) and not (args.resume or
-                                                                                           args.overwrite):
-        raise RunError(f"{run_dir} holds a run already: --resume continues it, another --run-name starts a "
-                       f"new one, --overwrite replaces it")
+    if args.stage == "sft" or args.overwrite or not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
+        return
+    made = json.load(open(os.path.join(run_dir, "run.json")))["flags"]
+    flags = set(vars(make_parser().parse_args([]))) - set(NOT_RESULTS + ("rl_steps",) * args.resume)
+    differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})" for name in sorted(flags)
+              if name in made and made[name] != getattr(args, name)]
+    if args.resume and not differ:
+        return
+    raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
+                   + ("--resume continues it, " if not differ else "")
+                   + "another --run-name starts a new one, --overwrite replaces it")
 
 def main(argv=None):
     args = parse_args(argv)

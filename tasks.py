@@ -183,7 +183,8 @@ def parse_expression(text, max_len=32, max_abs=10**6):
 
 class Task:
     """What every task shares: the tokenizer and its encode/decode. Each task also has prompt_pattern,
-    a regular expression that every prompt of the task matches (bgpo.py --prompt checks a user's)."""
+    a regular expression that every prompt of the task matches (bgpo.py --prompt checks a user's); it names
+    ASCII digits, [0-9], because \\d also matches other scripts' digits, which the tokenizer does not have."""
     tokenizer = TOKENIZER
 
     def encode(self, text):
@@ -208,7 +209,7 @@ class Arithmetic(Task):
     def __post_init__(self):
         self.prompt_len = 2 * self.digits + 2      # "999+999="
         self.gen_len = self.digits + 1             # "1998"
-        self.prompt_pattern = rf"\d{{1,{self.digits}}}\+\d{{1,{self.digits}}}="
+        self.prompt_pattern = rf"[0-9]{{1,{self.digits}}}\+[0-9]{{1,{self.digits}}}="
 
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)
@@ -266,7 +267,7 @@ class Countdown(Task):
     def __post_init__(self):
         self.prompt_len = 12   # "20,20,20:100"
         self.gen_len = 10      # "(20-19)*20" is the longest canonical answer
-        self.prompt_pattern = r"\d{1,2},\d{1,2},\d{1,2}:\d{1,3}"
+        self.prompt_pattern = r"[0-9]{1,2},[0-9]{1,2},[0-9]{1,2}:[0-9]{1,3}"
 
     def sample(self, n, split, generator_or_seed):
         _check_sample_args(n, split)

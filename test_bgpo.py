@@ -538,24 +538,35 @@ def test_the_sft_checkpoint_name_changes_with_every_setting_of_sft(tmp_path):
                         ("--eval-size", "9"), ("--minibatches", "2"), ("--eval-every", "3")]:
         assert bgpo.sft_path(tiny_args(tmp_path, flag, value)) == base, flag
 
-def test_a_reused_sft_checkpoint_must_have_been_made_with_these_settings(tmp_path):
-    """The name is the first check; the settings the checkpoint records are the second (a renamed file)."""
-    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "20", "--stage", "sft"))
-    made, wanted = (bgpo.sft_path(tiny_args(tmp_path, "--sft-steps", n)) for n in ("20", "30"))
-    os.rename(made, wanted)
-    with pytest.raises(bgpo.RunError, match="was made with .*'steps': 20"):
-        bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30", "--stage", "rl"))
-
 def test_a_folder_that_holds_a_run_is_refused_without_resume_or_overwrite(tmp_path):
     argv = tiny_argv(tmp_path, "--rl-steps", "1")
     bgpo.main(argv)
     run_dir = os.path.join(str(tmp_path), bgpo.parse_args(argv).run_name)
-    with pytest.raises(bgpo.RunError, match="holds a run already: --resume continues it"):
+    assert os.path.basename(run_dir) == "arithmetic_bgpo_nt4_seed0"               # named in words
+    with pytest.raises(bgpo.RunError, match="holds a run: --resume continues it, another --run-name"):
         bgpo.main(argv)
+    with pytest.raises(bgpo.RunError, match=r"holds a run made with --eval-size 8 \(now 9\): another --run"):
+        bgpo.main(argv + ["--eval-size", "9"])
     described = json.load(open(os.path.join(run_dir, "run.json")))
     assert described["flags"]["rl_steps"] == 1 and described["torch"] == torch.__version__
     assert bgpo.main(argv + ["--overwrite"])[-1]["step"] == 1
-    assert bgpo.parse_args(tiny_argv(tmp_path, "--rl-steps", "2")).run_name != bgpo.parse_args(argv).run_name
+
+def run_script(argv, monkeypatch, capsys):
+    """bgpo.py run as a script (its __main__ block, in this process): its exit code and stderr."""
+    monkeypatch.setattr(sys, "argv", ["bgpo.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(bgpo.__file__, run_name="__main__")
+    return e.value.code, capsys.readouterr().err
+
+def test_a_finished_run_and_a_resume_with_other_flags_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
+    argv = tiny_argv(tmp_path, "--rl-steps", "1")
+    bgpo.main(argv)
+    for extra, message in [([], "holds a run: --resume continues it"),
+                           (["--resume", "--mc-samples", "2", "--run-name", "arithmetic_bgpo_nt4_seed0"],
+                            "made with --mc-samples 4 (now 2): another --run-name")]:
+        code, err = run_script(argv + extra, monkeypatch, capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert bgpo.main(argv[:-2] + ["--rl-steps", "2", "--resume"])[-1]["step"] == 2, "a longer run resumes"
 
 @pytest.mark.parametrize("objective", ["bgpo", "naive"])
 def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
@@ -703,7 +714,7 @@ def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--task", "chess"], "invalid choice: 'chess'"),
-    (["--sft-steps", "0"], "--sft-steps must be a positive integer"),
+    (["--sft-steps", "0"], "--sft-steps must be at least 1"),
     (["--mc-samples", "4", "--mc-chunk", "8"], "larger than --mc-samples"),
     (["--objective", "naive", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
     (["--objective", "stp"], "invalid choice"),
@@ -711,14 +722,17 @@ def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
     (["--resume", "--run-name", "nothing-here"], "no run to resume"),
     (["--device", "tpu"], "not available here"),
     (["--device", "cuda:x"], "not available here"),
-    (["--demos", "-1"], "--demos must be >= 0"),
+    (["--demos", "-1"], "--demos must be at least 0"),
     (["--val-size", "x"], "invalid int value"),
     (["--stage", "control"], "invalid choice"),
-    (["--minibatches", "0"], "--minibatches must be a positive integer"),
+    (["--minibatches", "0"], "--minibatches must be at least 1"),
     (["--minibatches", "3"], "--minibatches 3 must divide --prompts-per-step 2"),
     (["--n-embd", "15"], "--n-head 2 must divide --n-embd 15"),
     (["--prompt", "12+ab="], "--prompt '12+ab=': not a arithmetic problem"),
     (["--prompt", "15,4,1:64"], "not a arithmetic problem like"),
+    (["--prompt", "\u0663\u0661+4="], "not a arithmetic problem like"),               # Arabic-Indic digits
+    (["--task", "countdown", "--prompt", "\u0663,4,1:64"], "not a countdown problem like"),
+    (["--task", "countdown", "--prompt", "\uff11\uff15,4,1:64"], "not a countdown problem"),  # full width
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -726,13 +740,28 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
+def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
+    """bgpo.py --bench-memory: BGPO's activation memory stays flat while the naive objective's grows, and a
+    row whose naive update raises torch.OutOfMemoryError says so while BGPO's row and the later rows go on."""
+    naive_loss = bgpo.naive_loss
+
+    def out_of_memory_from_16(model, x, y, mc, *rest):
+        if mc.weight.shape[1] >= 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return naive_loss(model, x, y, mc, *rest)
+
+    monkeypatch.setattr(bgpo, "naive_loss", out_of_memory_from_16)
+    rows = bgpo.main(tiny_argv(tmp_path, "--bench-memory"))
+    out = capsys.readouterr().out
+    assert [row["n_t"] for row in rows] == [1, 2, 4, 8, 16, 32, 64]
+    assert [row["naive"] is None for row in rows] == [False] * 4 + [True] * 3
+    assert rows[-1]["bgpo"]["mb"] <= 1.1 * rows[0]["bgpo"]["mb"], "BGPO: one sample's graph at a time"
+    assert rows[3]["naive"]["mb"] > 6 * rows[0]["naive"]["mb"], "naive: n_t graphs at once"
+    assert out.count("naive: out of memory | BGPO: ") == 3 and rows[0]["naive"]["cuda_mb"] is None
+
 def test_a_missing_checkpoint_exits_2_with_one_line_from_the_command_line(tmp_path, capsys, monkeypatch):
-    """bgpo.py run as a script (its __main__ block, in this process): one line on stderr and exit code 2."""
-    monkeypatch.setattr(sys, "argv", ["bgpo.py", "--prompt", "15,4,1:64", "--out-dir", str(tmp_path)])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(bgpo.__file__, run_name="__main__")
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "no checkpoint at" in err, err
+    code, err = run_script(["--prompt", "15,4,1:64", "--out-dir", str(tmp_path)], monkeypatch, capsys)
+    assert code == 2 and err.count("\n") == 1 and "no checkpoint at" in err, err
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     real, updates = bgpo.bgpo_backward, []
@@ -982,7 +1011,7 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
     run_dir = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert len(run_dir) == 1 and "_2processes_" in run_dir[0].name, run_dir   # not a one-process run's name
+    assert len(run_dir) == 1 and run_dir[0].name.endswith("_2processes"), run_dir   # not a one-process run's
     run_dir = run_dir[0]
     assert [r["step"] for r in read_log(run_dir / "log.jsonl")] == [0, 1, 2]
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream

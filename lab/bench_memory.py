@@ -58,12 +58,15 @@ def measure_update(model, optimizer, backward, args):
     return memory.peak / 2**20, statistics.median(times), cuda_mb
 
 def memory_figure(rows):
-    """The paper's Fig. 1 in small: bgpo.bench_memory's rows, [n_t, naive MB, naive s, BGPO MB, BGPO s]
-    each -> the activation memory of one update and the step-time ratio against n_t."""
-    n = [r[0] for r in rows]
-    memory = [{"label": name, "x": n, "y": [r[column] for r in rows], "style": "o-"}
-              for name, column in (("naive", 1), ("BGPO", 3))]
-    ratio = [{"label": "BGPO / naive", "x": n, "y": [r[4] / r[2] for r in rows], "style": "o-"}]
+    """The paper's Fig. 1 in small: bgpo.bench_memory's rows ({"n_t", "naive", "bgpo"}, each objective's
+    {"mb", "s", ...} or None where it ran out of memory) -> the activation memory of one update and the
+    step-time ratio against n_t, over the rows where both ran."""
+    rows = [r for r in rows if r["naive"] and r["bgpo"]]
+    n = [r["n_t"] for r in rows]
+    memory = [{"label": label, "x": n, "y": [r[name]["mb"] for r in rows], "style": "o-"}
+              for name, label in (("naive", "naive"), ("bgpo", "BGPO"))]
+    ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo"]["s"] / r["naive"]["s"] for r in rows],
+              "style": "o-"}]
     return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
                         "yscale": "log", "lines": memory},
                        {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log",

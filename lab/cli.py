@@ -6,7 +6,10 @@ tables' repeats). Every default is the tutorial's: the lab has one default regim
 Every lab command builds its parser here, checks it with check_args and runs under command_line.
 """
 import argparse
+import hashlib
+import json
 import math
+import os
 import sys
 
 import bgpo
@@ -34,8 +37,26 @@ def make_parser(prog, description):
     a("--bench-repeats", type=int, default=3, help="update steps timed per row of a memory table")
     return p
 
-# lab flags that change what is shown, not a run
-NOT_RESULTS = ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size")
+# The flags that name a lab run in words, and those that change where it is written or how it is read or
+# shown, not what it computes (bgpo.py's, then the lab's); every other flag that differs from its default
+# goes into the run's name as a hash. bgpo.py names its runs in words only.
+IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
+NOT_RESULTS = bgpo.NOT_RESULTS + ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size")
+
+def settings_hash(p, args):
+    """"_" and a short hash of every other flag of p that differs from its default ("" if none): two lab
+    commands that would compute different runs do not share a folder (--demos 200 and --rl-steps 500 each
+    get their own; --device does not enter the name, and run.json records it)."""
+    given = {**vars(args), "demos": bgpo.DEMOS[args.task] if args.demos is None else args.demos}
+    defaults = {**vars(p.parse_args([])), "demos": bgpo.DEMOS[args.task]}
+    changed = {name: value for name, value in sorted(given.items()) if name in defaults
+               and name not in IN_WORDS + NOT_RESULTS and value != defaults[name]}
+    return "_" + hashlib.sha1(repr(changed).encode()).hexdigest()[:6] if changed else ""
+
+def write_json(path, obj):
+    """A run's JSON record, written as bgpo.py writes its files: a temporary file, then rename."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    bgpo.write_text(path, json.dumps(obj, indent=1))
 
 def check_args(p, args):
     """The lab's flags checked (p.error: one line, exit code 2), then bgpo.py's by bgpo.check_args, which also
@@ -64,13 +85,13 @@ def check_args(p, args):
     named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
-    if not named:   # bgpo.py's name, with the lab's shared flags in its hash, as python -m lab.rl names a run
+    if not named:   # bgpo.py's name and a hash of the other flags (the lab's too), as lab.rl names a run
         common = make_parser("", "")
         shared = argparse.Namespace(**{k: getattr(args, k) for k in vars(common.parse_args([]))
                                        if k not in NOT_RESULTS})
         k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
         args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
-                         + bgpo.settings_hash(common, shared))
+                         + settings_hash(common, shared))
     if args.world > 1:
         p.error("the lab runs in one process (python -m lab...), not under torchrun")
     return args

@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p = make_parser()
     args = p.parse_args(argv)
     # before the objective's own defaults are filled in: a flag given at its default is not a change
-    settings = bgpo.settings_hash(p, argparse.Namespace(**{k: v for k, v in vars(args).items()
+    settings = cli.settings_hash(p, argparse.Namespace(**{k: v for k, v in vars(args).items()
                                                            if k not in cli.NOT_RESULTS}))
     for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"),
                                    ("--no-anchors", args.no_anchors, "stp")):
@@ -221,7 +221,7 @@ def run_rl(args, task, model, pool=None):
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool))
     os.makedirs(run_dir, exist_ok=True)
     if not args.resume:
-        bgpo.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
+        cli.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
     with open(log_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(log_path + ".tmp", log_path)
@@ -399,7 +399,7 @@ def final_evaluation(model, task, args, run_dir, step):
             result[f"{prefix}pass_at_k"] = {k: mean for k, (mean, _) in passes.items()}
             result[f"{prefix}pass_at_k_se"] = {k: se for k, (_, se) in passes.items()}
         result.update(pass_at_k_size=size, pass_at_k_samples=PASS_SAMPLES, pass_at_k_seconds=time.time() - t0)
-    bgpo.write_json(os.path.join(run_dir, "final.json"), result)
+    cli.write_json(os.path.join(run_dir, "final.json"), result)
     print(f"on {len(prompts)} held-out problems: SFT model {result['sft_accuracy']:.1%}, step {step} "
           f"{result['accuracy']:.1%}; entropy {result['sft_entropy']:.3f} -> {result['entropy']:.3f}"
           + (f"; pass@{PASS_SAMPLES} on the first {size} at T {args.temperature}: "

@@ -401,7 +401,7 @@ def main(argv=None):
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals), png)
     if not args.table_only:   # the record of the sweep that ran
-        bgpo.write_json(os.path.join(out_dir, "sweep.json"),
+        cli.write_json(os.path.join(out_dir, "sweep.json"),
                         {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
     if failed:
         sys.exit(1)

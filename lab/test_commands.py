@@ -56,11 +56,11 @@ def test_naive_two_pass_runs_make_the_naive_runs_updates_and_the_lemma_ablation_
 
 def test_offpolicy_measures_the_second_minibatch_where_the_two_pass_gradient_is_the_naive_one(tmp_path,
                                                                                              monkeypatch):
-    """From the checkpoint of the bgpo.py run its flags name (with none: the default run's), and from its SFT
-    model with a fresh AdamW."""
+    """From the checkpoint of the RL run its flags name (as python -m lab.rl names it; with none: the default
+    run's, which bgpo.py's is too), and from its SFT model with a fresh AdamW."""
     monkeypatch.setattr(offpolicy, "group_advantages", lambda rewards, G: torch.linspace(-1, 1, len(rewards)))
-    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "30"))
-    run = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "30")).run_name   # --rl-lr names another run
+    rl.main(tiny_argv(tmp_path, "--sft-steps", "30"))
+    run = rl.parse_args(tiny_argv(tmp_path, "--sft-steps", "30")).run_name   # --rl-lr names another run
     for start in ([], ["--from-sft"]):
         results = offpolicy.main(tiny_argv(tmp_path, "--sft-steps", "30", *start, "--batches", "2",
                                            "--rl-lr", "1e-2", "--run-name", run))
@@ -152,8 +152,9 @@ def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_pa
         "one batch of n copies")
 
 def test_memory_figure_holds_the_lines_it_draws():
-    # bgpo.bench_memory's rows: n_t, naive MB, naive s, BGPO MB, BGPO s
-    rows = [[n, 10.0 * n, 1.0, 10.0, 0.5] for n in (1, 2)]
+    measured = lambda mb, s: {"mb": mb, "s": s, "cuda_mb": None}
+    rows = [{"n_t": n, "naive": measured(10.0 * n, 1.0), "bgpo": measured(10.0, 0.5)} for n in (1, 2)]
+    rows.append({"n_t": 4, "naive": None, "bgpo": measured(10.0, 0.5)})      # naive out of memory: not drawn
     memory, ratio = bench_memory.memory_figure(rows)["panels"]
     assert ([line["y"] for line in memory["lines"]] == [[10.0, 20.0], [10.0, 10.0]]
             and ratio["lines"][0]["y"] == [0.5, 0.5])
@@ -182,12 +183,12 @@ def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_pa
     with pytest.raises(SystemExit):
         stages.main(tiny_argv(tmp_path, "--run-name", "nothing-here"))
     pytest.importorskip("matplotlib")
-    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))
+    rl.main(tiny_argv(tmp_path, "--rl-steps", "1"))
     assert os.path.getsize(stages.main(tiny_argv(tmp_path, "--rl-steps", "1"))) > 1000
 
 def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, capsys):
-    bgpo.main(tiny_argv(tmp_path))
-    run = tmp_path / bgpo.parse_args(tiny_argv(tmp_path)).run_name
+    rl.main(tiny_argv(tmp_path))
+    run = tmp_path / rl.parse_args(tiny_argv(tmp_path)).run_name
     rl_log = figures.read_log(run / "log.jsonl")
     curve = control.main(tiny_argv(tmp_path))
     assert figures.read_log(str(run) + "_sft-continued/log.jsonl") == curve
@@ -245,7 +246,7 @@ def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, comm
     (["--block-len", "5"], "--block-len must be in 1..4"),
     (["--block-len", "2", "--gen-steps", "1"], "--gen-steps must be in 2..4"),
     (["--bench-repeats", "0"], "--bench-repeats must be a positive integer"),
-    (["--mc-samples", "0"], "--mc-samples must be a positive integer"),
+    (["--mc-samples", "0"], "--mc-samples must be at least 1"),
 ])
 def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
