@@ -48,6 +48,7 @@ from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of, sampler_options
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, get_task, parse_expression
+from tiny_dllm import sft_loss
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO
@@ -84,6 +85,9 @@ def make_parser():
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
       help="which positions a rollout step commits: the most confident, or uniformly random ones")
     a("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0: fresh ones")
+    a("--sft-stop", type=int, default=0,
+      help="stop SFT at this step and start RL from that step's model (the same SFT run, trained less); "
+           "0: bgpo.py's SFT, which keeps its best validated model")
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
@@ -104,7 +108,7 @@ def parse_args(argv=None):
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
     for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size),
-                        ("--pass-at-k-size", args.pass_at_k_size)):
+                        ("--pass-at-k-size", args.pass_at_k_size), ("--sft-stop", args.sft_stop)):
         if value < 0:
             p.error(f"{flag} must be an integer >= 0, got {value}")
     if args.pass_at_k_size > args.final_eval_size:
@@ -119,6 +123,8 @@ def parse_args(argv=None):
     args.anchors = stp and not args.no_anchors and args.task == "sudoku"   # the other tasks have no anchors
     if args.objective == "trajectory" and (args.updates_per_batch > 1 or args.minibatches > 1):
         p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1 and --minibatches 1")
+    if args.sft_stop > args.sft_steps:
+        p.error(f"--sft-stop {args.sft_stop} is past --sft-steps {args.sft_steps}")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     # bgpo.py's run name, with the lab's options; the others draw no masked copies
@@ -340,6 +346,46 @@ def reach(model, task, prompts, args, generator, per_call=16):
         out[k] = (statistics.fmean(values), se)
     return out
 
+# -----------------------------------------------------------------------------
+# The SFT model, or with --sft-stop one trained less
+
+def sft_path(args):
+    """bgpo.sft_path, or with --sft-stop N the path of SFT stopped at step N."""
+    path = bgpo.sft_path(args)
+    return path[:-len(".pt")] + f"_stop{args.sft_stop}.pt" if args.sft_stop else path
+
+def sft_model(args, task):
+    """bgpo.sft_model; with --sft-stop N, the model of step N of the same SFT run: bgpo.run_sft's steps (a
+    copy; its evaluations draw no random number, so leaving them out changes nothing), N of them, trained
+    now (--stage sft, or --stage all without the checkpoint) or loaded."""
+    if not args.sft_stop:
+        return bgpo.sft_model(args, task)
+    path = sft_path(args)
+    if args.stage != "sft" and os.path.isfile(path):
+        print(f"loading the SFT model {path}")
+        return bgpo.load_model(path, task, args)
+    torch.manual_seed(args.seed)
+    model = bgpo.make_model(task, args).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.SFT_LR, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = bgpo.sft_batches(task, args, generator)
+    for step in range(1, args.sft_stop + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = bgpo.sft_lr_at(args, step)
+        loss = sft_loss(model, *next(batches), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    result = evaluate(model, task, held_out(task, args), args, n_show=0)
+    curve = [{"step": args.sft_stop, "accuracy": result["accuracy"], "reward": result["reward"]}]
+    bgpo.save_checkpoint(path, stage="sft", task=task.name, vocab=task.tokenizer.itos,
+                         config=asdict(model.config), step=args.sft_stop, model=model.state_dict(),
+                         curve=curve)
+    print(f"SFT stopped at step {args.sft_stop} (--sft-stop): held-out accuracy {result['accuracy']:.1%} "
+          f"({path})")
+    return model
+
 def main(argv=None):
     """bgpo.main's steps with the lab's loop: --bench-memory and --prompt as bgpo.py's, else SFT (bgpo.py's),
     run_rl and a summary."""
@@ -349,7 +395,7 @@ def main(argv=None):
         return bgpo.bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's
         path = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-        path = path if os.path.isfile(path) else bgpo.sft_path(args)
+        path = path if os.path.isfile(path) else sft_path(args)
         answer = bgpo.show_unmasking(bgpo.load_model(path, task, args), task, args.prompt, args)
         print(f"{args.prompt} -> {answer} -> reward {task.reward(args.prompt, answer):.2f} ({path})")
         return answer
@@ -362,14 +408,14 @@ def main(argv=None):
         if args.stage != "sft" and (args.overwrite or stale == "final.json") and \
                 os.path.isfile(os.path.join(run_dir, stale)):
             os.remove(os.path.join(run_dir, stale))
-    model = bgpo.sft_model(args, task)
+    model = sft_model(args, task)
     if args.stage == "sft":
         return model
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
     history = run_rl(args, task, model, pool)
     print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
           f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
-          f"files: {bgpo.sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")
+          f"files: {sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")
     if args.final_eval_size:
         final_evaluation(model, task, args, run_dir, history[-1]["step"])
     if args.plot:
@@ -385,7 +431,7 @@ def final_evaluation(model, task, args, run_dir, step):
     scored with or without them is the same run."""
     prompts = task.sample(args.final_eval_size, "test", 1234)[0]
     result = {"run": os.path.basename(run_dir), "step": step, "size": len(prompts)}
-    models = {"sft_": bgpo.load_model(bgpo.sft_path(args), task, args), "": model}
+    models = {"sft_": bgpo.load_model(sft_path(args), task, args), "": model}
     for prefix, scored in models.items():
         greedy = evaluate(scored, task, prompts, args, n_show=0)
         result.update({f"{prefix}accuracy": greedy["accuracy"], f"{prefix}reward": greedy["reward"],

@@ -101,10 +101,12 @@ def run_folder(arm, seed, flags, final_eval_size):
 def sft_finished(args):
     """Whether the SFT checkpoint of these flags is a finished SFT's (it stopped early, or ran every step):
     an interrupted SFT leaves its best model so far under the same name."""
-    if not os.path.isfile(bgpo.sft_path(args)):
+    if not os.path.isfile(rl.sft_path(args)):
         return False
-    state = torch.load(bgpo.sft_path(args), map_location="cpu", weights_only=True)
+    state = torch.load(rl.sft_path(args), map_location="cpu", weights_only=True)
     last = state["curve"][-1]["step"]
+    if args.sft_stop:   # lab.rl --sft-stop N: the model of step N
+        return state["step"] == args.sft_stop
     return last == args.sft_steps or last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
 
 def scored(final, args):
@@ -118,7 +120,7 @@ def plan(args, flags):
     for seed in args.seeds:
         sft_argv = [*flags, "--seed", str(seed), "--stage", "sft"]
         sft = {"name": f"sft seed {seed}", "argv": ["-m", "lab.rl", *sft_argv], "folder": None, "after": [],
-               "log": bgpo.sft_path(rl.parse_args(sft_argv)) + ".console.txt",
+               "log": rl.sft_path(rl.parse_args(sft_argv)) + ".console.txt",
                "done": sft_finished(rl.parse_args(sft_argv))}
         jobs.append(sft)
         for arm in args.arms:

@@ -212,3 +212,17 @@ def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unch
     timing = {"seconds", "rollout_seconds"}
     for a, b in zip(*logs):
         assert {k: a[k] for k in b if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+def test_sft_stopped_at_a_step_is_the_model_that_bgpo_py_s_sft_run_had_at_that_step(tmp_path):
+    """lab.rl --sft-stop N against bgpo.run_sft: the model bgpo.py kept (its best validated step, s) is the
+    model that the lab's copy of its steps has after s steps."""
+    argv = tiny_argv(tmp_path, "--sft-steps", "30", "--sft-eval-every", "10")
+    bgpo.main(argv + ["--stage", "sft"])
+    kept = torch.load(bgpo.sft_path(bgpo.parse_args(argv)), weights_only=True)
+    args = rl.parse_args(argv + ["--sft-stop", str(kept["step"]), "--stage", "sft"])
+    model = rl.sft_model(args, get_task("arithmetic"))
+    assert rl.sft_path(args).endswith(f"_stop{kept['step']}.pt") and os.path.isfile(rl.sft_path(args))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, kept["model"][name]), name
+    with pytest.raises(SystemExit):
+        rl.parse_args(argv + ["--sft-stop", "31"])
