@@ -350,9 +350,9 @@ def reach(model, task, prompts, args, generator, per_call=16):
 # The SFT model, or with --sft-stop one trained less
 
 def sft_path(args):
-    """bgpo.sft_path, or with --sft-stop N the path of SFT stopped at step N."""
-    path = bgpo.sft_path(args)
-    return path[:-len(".pt")] + f"_stop{args.sft_stop}.pt" if args.sft_stop else path
+    """bgpo.sft_path, or with --sft-stop N that of SFT stopped at step N (lab.control has no --sft-stop)."""
+    path, stop = bgpo.sft_path(args), getattr(args, "sft_stop", 0)
+    return path[:-len(".pt")] + f"_stop{stop}.pt" if stop else path
 
 def sft_model(args, task):
     """bgpo.sft_model; with --sft-stop N, the model of step N of the same SFT run: bgpo.run_sft's steps (a
