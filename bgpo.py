@@ -633,7 +633,7 @@ def check_args(p, args):
     if SFT_BATCH % args.world:
         p.error(f"{args.world} processes must divide the SFT batch of {SFT_BATCH}")
     if args.resume and (args.stage == "sft" or not os.path.isfile(ckpt)):
-        p.error(f"--resume continues an RL run: use --stage rl or all" if args.stage == "sft" else
+        p.error("--resume continues an RL run: use --stage rl or all" if args.stage == "sft" else
                 f"--resume: no run to resume at {ckpt}")
     if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
         example = task.sample(1, "test", 0)[0][0]
