@@ -217,7 +217,6 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
         self.t = t
 
 # -----------------------------------------------------------------------------
-# -----------------------------------------------------------------------------
 # 4. The script: SFT on demonstrations, then RL with the verifier
 
 DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
@@ -528,14 +527,12 @@ def bench_memory(args, task):
         bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk),
                               cuda)
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
-        if naive and bgpo:
-            print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
-                  f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
-                  + (f" | {naive['cuda_mb']:>19.1f} {bgpo['cuda_mb']:>6.1f}" if cuda else ""))
-        else:
-            print(f"{n_t:>4} | " + " | ".join(f"{name}: " + (f"{m['mb']:.1f} MB, {m['s']:.3f} s" if m else
-                                                            "out of memory")
-                                             for name, m in (("naive", naive), ("BGPO", bgpo))))
+        oom = [name for name, m in (("naive", naive), ("BGPO", bgpo)) if m is None]
+        naive, bgpo = (m or dict.fromkeys(["mb", "s", "cuda_mb"], math.nan) for m in (naive, bgpo))
+        print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
+              f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
+              + (f" | {naive['cuda_mb']:>19.1f} {bgpo['cuda_mb']:>6.1f}" if cuda else "")
+              + "".join(f" | {name}: out of memory" for name in oom))
     return rows
 
 def measure_update(model, update, cuda):
@@ -580,7 +577,8 @@ def make_parser():
     a("--seed", type=int, default=0, help="seed for weights, data and sampling")
     a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     a("--out-dir", default="out", help="where checkpoints and logs go")
-    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS)")
+    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS"
+      "[_Nprocesses])")
     a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     a("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
@@ -624,7 +622,7 @@ def check_args(p, args):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if args.mc_chunk > 1 and args.objective != "bgpo":
         p.error("--mc-chunk is an option of --objective bgpo")
-    if args.mc_chunk > args.mc_samples:
+    if args.mc_chunk > args.mc_samples and not args.bench_memory:   # the table's n_t go from 1 to 64
         p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
     if args.prompts_per_step % (args.world * args.minibatches):
         p.error((f"{args.world} processes x " if args.world > 1 else "") + f"--minibatches "
@@ -632,9 +630,10 @@ def check_args(p, args):
                 "whole groups)")
     if SFT_BATCH % args.world:
         p.error(f"{args.world} processes must divide the SFT batch of {SFT_BATCH}")
-    if args.resume and (args.stage == "sft" or not os.path.isfile(ckpt)):
-        p.error("--resume continues an RL run: use --stage rl or all" if args.stage == "sft" else
-                f"--resume: no run to resume at {ckpt}")
+    if args.resume and (args.stage == "sft" or args.overwrite):
+        p.error("--resume continues an RL run: use it with --stage rl or all, without --overwrite")
+    if args.resume and not os.path.isfile(ckpt):
+        p.error(f"--resume: no run to resume at {ckpt}")
     if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
         example = task.sample(1, "test", 0)[0][0]
         p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {example!r}")
@@ -676,16 +675,19 @@ def refuse_to_overwrite(args):
     """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
     a larger --rl-steps makes it longer) or replaced (--overwrite), never silently reused."""
     run_dir = os.path.join(args.out_dir, args.run_name)
+    record = os.path.join(run_dir, "run.json")
     if args.stage == "sft" or args.overwrite or not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         return
-    made = json.load(open(os.path.join(run_dir, "run.json")))["flags"]
-    flags = set(vars(make_parser().parse_args([]))) - set(NOT_RESULTS + ("rl_steps",) * args.resume)
-    differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})" for name in sorted(flags)
+    made = json.load(open(record))["flags"] if os.path.isfile(record) else {}
+    mutable = NOT_RESULTS + (("rl_steps",) if args.resume else ())   # a resumed run may run longer
+    differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})"
+              for name in sorted(set(vars(make_parser().parse_args([]))) - set(mutable))
               if name in made and made[name] != getattr(args, name)]
     if args.resume and not differ:
         return
+    resumable = os.path.isfile(os.path.join(run_dir, "ckpt.pt"))
     raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
-                   + ("--resume continues it, " if not differ else "")
+                   + ("--resume with its flags continues it, " if resumable else "")
                    + "another --run-name starts a new one, --overwrite replaces it")
 
 def main(argv=None):
@@ -710,9 +712,10 @@ def main(argv=None):
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
     refuse_to_overwrite(args)
     old_ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-    if args.overwrite and args.rank == 0 and os.path.isfile(old_ckpt):
+    if args.overwrite and args.stage != "sft" and args.rank == 0 and os.path.isfile(old_ckpt):
         os.remove(old_ckpt)   # the replaced run's: never to be resumed with the new log
-    model = sft_model(args, task)
+    # the model to train: --resume loads the RL checkpoint's weights into it (run_rl)
+    model = make_model(task, args).to(args.device) if args.resume else sft_model(args, task)
     if args.stage == "sft":
         return model
     history = run_rl(args, task, model)   # the records with a held-out evaluation: step 0 is the SFT model
