@@ -49,16 +49,21 @@ def stages_figure(sft_curve, rl_records, control=None):
                         "xlabel": "training seconds", "lines": lines}]}
 
 def draw(figure, png_path):
-    """One PNG, a panel per figure["panels"] entry, a line per panel["lines"] entry."""
+    """One PNG, a panel per figure["panels"] entry (in figure.get("rows", 1) rows), a line per panel["lines"]
+    entry."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return print(f"matplotlib is not installed; skipped {png_path}")
-    width = figure.get("width", 4.2 * len(figure["panels"]))
-    fig, axes = plt.subplots(1, len(figure["panels"]), figsize=(width, 3.3), squeeze=False)
-    for ax, panel in zip(axes[0], figure["panels"]):
+    rows = figure.get("rows", 1)   # the panels fill rows of ceil(panels / rows), left to right
+    columns = -(-len(figure["panels"]) // rows)
+    width = figure.get("width", 4.2 * columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(width, 3.3 * rows), squeeze=False)
+    for ax in axes.flat[len(figure["panels"]):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, figure["panels"]):
         for line in panel["lines"]:
             drawn, = ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"],
                              alpha=line.get("alpha", 1.0), markersize=3)

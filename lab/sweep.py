@@ -182,7 +182,7 @@ def run_jobs(jobs, workers, threads):
 # The table and the figure, from the runs' files
 
 MEASURES = {"accuracy": "greedy accuracy (%)", "pass@32": "pass@32 (%) at the rollout temperature",
-            "entropy": "entropy (nats per position) on the held-out prompts"}
+            "entropy": "entropy (nats per position) of the policy"}
 
 def read_finals(jobs, size):
     """{arm: {seed: final.json}} of the finished runs scored on `size` problems, with pass@32 (of the final
@@ -309,7 +309,7 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None):
     if entropy_curves:
         panels.append({"title": "entropy on the held-out prompts (nats per position)", "xlabel": "RL step",
                        "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})
-    return {"panels": panels, "width": 5.5 * len(panels)}
+    return {"panels": panels, "width": 11, "rows": 1 if len(panels) <= 2 else 2}
 
 # -----------------------------------------------------------------------------
 # The command line
@@ -395,10 +395,10 @@ def main(argv=None):
             print(f"  {job['folder']}: python {' '.join(job['argv'])}")
     any_final = next(iter(next(iter(finals.values())).values()))
     print_table(rows, args.reference, any_final["size"])
-    for measure in ("pass@32", "entropy"):
+    for measure, size in (("pass@32", any_final.get("pass_at_k_size")), ("entropy", any_final["size"])):
         more = table(finals, args.reference, measure)
         if len(more) > 1:
-            print_table(more, args.reference, any_final.get("pass_at_k_size"), measure)
+            print_table(more, args.reference, size, measure)
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals), png)
