@@ -22,21 +22,9 @@ import torch
 import bgpo
 from bgpo import SFT_LR, held_out, load_checkpoint, load_model, sft_batches, sft_lr_at, sft_path
 from lab import cli
-from lab.rl import final_evaluation
+from lab.rl import final_evaluation, sft_step
 from lab.sampler import evaluate
 from tasks import get_task
-from tiny_dllm import sft_loss
-
-def sft_step(model, optimizer, x, y, lr, generator):
-    """One step of bgpo.run_sft's loop (a copy): set the learning rate, the SFT loss, backward, clip, step."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss = sft_loss(model, x, y, generator=generator)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    return loss.item()
 
 def control_dir(args):
     return os.path.join(args.out_dir, args.run_name + "_sft-continued")

@@ -356,10 +356,21 @@ def sft_path(args):
     path, stop = bgpo.sft_path(args), getattr(args, "sft_stop", 0)
     return path[:-len(".pt")] + f"_stop{stop}.pt" if stop else path
 
+def sft_step(model, optimizer, x, y, lr, generator):
+    """One step of bgpo.run_sft's loop (a copy): set the learning rate, the SFT loss, backward, clip, step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = sft_loss(model, x, y, generator=generator)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
 def sft_model(args, task):
-    """bgpo.sft_model; with --sft-stop N, the model of step N of the same SFT run: bgpo.run_sft's steps (a
-    copy; its evaluations draw no random number, so leaving them out changes nothing), N of them, trained
-    now (--stage sft, or --stage all without the checkpoint) or loaded."""
+    """bgpo.sft_model; with --sft-stop N, the model of step N of the same SFT run: N of bgpo.run_sft's steps
+    (sft_step; its evaluations draw no random number, so leaving them out changes nothing), trained now
+    (--stage sft, or --stage all without the checkpoint) or loaded."""
     if not args.sft_stop:
         return bgpo.sft_model(args, task)
     path = sft_path(args)
@@ -372,13 +383,7 @@ def sft_model(args, task):
     generator = torch.Generator().manual_seed(args.seed)
     batches = bgpo.sft_batches(task, args, generator)
     for step in range(1, args.sft_stop + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = bgpo.sft_lr_at(args, step)
-        loss = sft_loss(model, *next(batches), generator=generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
     result = evaluate(model, task, held_out(task, args), args, n_show=0)
     curve = [{"step": args.sft_stop, "accuracy": result["accuracy"], "reward": result["reward"]}]
     bgpo.save_checkpoint(path, stage="sft", task=task.name, vocab=task.tokenizer.itos,

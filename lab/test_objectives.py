@@ -277,7 +277,7 @@ def test_the_lab_rollouts_and_evaluation_with_its_default_flags_are_bgpo_pys(tmp
     assert bgpo.evaluate(model, task, held_out, args) == sampler.evaluate(model, task, held_out, lab_args)
 
 def test_the_controls_sft_step_is_a_step_of_bgpo_run_sft(tmp_path):
-    """lab.control's sft_step copies bgpo.run_sft's loop body: two of its steps from the same start give
+    """lab.rl's sft_step (lab.control's and --sft-stop's) copies bgpo.run_sft's loop body: two of its steps give
     the weights that run_sft keeps after two steps."""
     args, task = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2")), \
         get_task("arithmetic")
@@ -288,7 +288,7 @@ def test_the_controls_sft_step_is_a_step_of_bgpo_run_sft(tmp_path):
     generator = torch.Generator().manual_seed(args.seed)
     batches = bgpo.sft_batches(task, args, generator)
     for step in (1, 2):
-        control.sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
+        rl.sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
     for (name, a), b in zip(kept.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name}: {report(a, b)}"
 
