@@ -277,7 +277,7 @@ def test_the_lab_rollouts_and_evaluation_with_its_default_flags_are_bgpo_pys(tmp
     assert bgpo.evaluate(model, task, held_out, args) == sampler.evaluate(model, task, held_out, lab_args)
 
 def test_the_controls_sft_step_is_a_step_of_bgpo_run_sft(tmp_path):
-    """lab.rl.sft_step (used by lab.control and --sft-stop) copies bgpo.run_sft's loop body: two of its steps give
+    """lab.rl.sft_step (lab.control's and --sft-stop's) copies bgpo.run_sft's loop body: two of its steps give
     the weights that run_sft keeps after two steps."""
     args, task = bgpo.parse_args(tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2")), \
         get_task("arithmetic")
