@@ -1,31 +1,18 @@
 """
-Boundary-Guided Policy Optimization (BGPO) for a masked diffusion LM, beside the naive ELBO-based
-objective it replaces, and the script that runs them: SFT on demonstrations, then RL with a verifier.
-Paper: Lin, Zhang, Hou, Li, "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion
-Large Language Models", arXiv 2510.11683.
+Boundary-Guided Policy Optimization (BGPO) for a masked diffusion LM, beside the naive ELBO-based objective
+it replaces, and the script that runs them: SFT on demonstrations, then RL with a verifier. Paper: Lin,
+Zhang, Hou, Li, "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language
+Models", arXiv 2510.11683.
 
-What BGPO is, once the pieces are laid out. On-policy (this script's default, and the paper's main
-setting) BGPO's update IS the naive objective's gradient, accumulated one Monte Carlo sample at a time.
-A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies of each
-completion. The naive objective exp(mean_j d_j) A couples the n_t copies through the exp; computed as
-one autograd graph it keeps all n_t graphs alive. BGPO replaces it by a lower bound that is a sum over
-copies, so backward runs one copy at a time, in one copy's memory. On-policy every d_j is 0 and the
-bound equals the naive objective in value and gradient. Off-policy (--minibatches 2) the bound's two
-lemmas act and the gradients differ; a no-grad pass over the copies would give the exact naive
-gradient in the same memory, for one more forward pass (the lab's naive_two_pass_backward).
+A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies of each completion.
+The naive objective exp(mean_j d_j) A couples the n_t copies through the exp: computed as one autograd graph
+it keeps all n_t graphs alive. BGPO replaces it by a lower bound that is a sum over copies, so backward runs
+one copy at a time, in one copy's memory. On-policy (the default, and the paper's main setting) every d_j is
+0 and the bound equals the naive objective in value and gradient: BGPO's update IS the naive gradient,
+accumulated one sample at a time. Off-policy (--minibatches 2) the bound's two lemmas act and they differ.
 
-Simplifications versus the paper:
-1. A 0.6M-parameter model trained from scratch on toy tasks instead of LLaDA-8B-Instruct.
-2. The log-ratio d_j is divided by the completion length L, as DARE's public re-implementation of BGPO
-   does (it divides each l_j by the padded response length); the paper's text does not. On-policy this
-   only rescales the gradient; off-policy it keeps ratios near 1.
-3. No KL term and one update per rollout batch by default, as in the paper's main runs.
-4. Group advantages use the unbiased (n-1) standard deviation, torch.std's default (as in TRL's
-   GRPO trainer), and a group whose rewards are all equal gets exactly 0.
-5. Negative advantages are scaled by NEG_WEIGHT = 0.5 (the paper's is 1).
-6. "On-policy" means the rollouts come from the current weights: they are drawn by LLaDA's low-confidence
-   sampler at temperature 1.3, while the ELBO bounds the likelihood of the random-order model at temperature
-   1, so the update is the exact policy gradient of neither (as in the paper and DARE).
+Where this departs from the paper (a tiny model, d_j / L, NEG_WEIGHT, TEMPERATURE, ...): the README's last
+section, and a comment where each is made.
 
 Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size, M Monte Carlo samples
 (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
@@ -97,7 +84,8 @@ def check_shapes(prompts, completions, mc, old_terms=None, advantages=None):
         raise ValueError(f"advantages: contains NaN (shape {tuple(advantages.shape)})")
 
 def log_ratio(terms, old_terms, L):
-    """d_j = (l_j(theta) - l_j(old)) / L, the per-token log-ratio on the same masked copy. old_terms None
+    """d_j = (l_j(theta) - l_j(old)) / L, the per-token log-ratio on the same masked copy (the / L is DARE's,
+    not the paper's: on-policy it rescales the gradient, off-policy it keeps ratios near 1). old_terms None
     means on-policy: the old policy is the current one, so its terms are these terms, detached (d = 0,
     the gradient is that of l_j / L), and no extra forward pass is needed to compute them."""
     return (terms - (terms.detach() if old_terms is None else old_terms)) / L
@@ -170,7 +158,8 @@ def reward_groups(rewards, group_size):
     return rewards.view(-1, group_size)
 
 def group_advantages(rewards, group_size):
-    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18). Equal rewards give A = 0."""
+    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18), with torch.std's unbiased (n - 1) std, as
+    TRL's GRPO trainer. Equal rewards give A = 0."""
     r = reward_groups(rewards, group_size)
     A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)
     # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would blow that up
@@ -221,7 +210,7 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
 
 DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
-RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2     # constant lr; weight of A < 0; PPO clip (off-policy only)
+RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
 
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
@@ -387,7 +376,9 @@ def run_sft(args, task):
 
 @torch.no_grad()
 def sample_rollouts(model, task, prompts, args, generator):
-    """G completions of each prompt from the current policy and the verifier's rewards: x, y, rewards."""
+    """G completions of each prompt from the current policy and the verifier's rewards: x, y, rewards. The
+    sampler (LLaDA's, at TEMPERATURE) is not the random-order model at temperature 1 whose likelihood the ELBO
+    bounds: the update is the exact policy gradient of neither, as in the paper and DARE."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
     y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
@@ -509,13 +500,37 @@ def show_unmasking(model, task, prompt, args):
 def bench_memory(args, task):
     """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
     and time depend on the shapes, not the values), by each objective at n_t = 1..64. Returns the rows,
-    {"n_t": n_t, "naive": measure_update(...), "bgpo": measure_update(...)}; an update that runs out of
-    memory is "out of memory" in its row (None there), and the table goes on."""
+    {"n_t": n_t, "naive": measured, "bgpo": measured}; measured is {"mb": the peak activation MB, "s": the
+    median seconds of 3 more updates, "cuda_mb": the CUDA allocator's peak MB (None on the CPU)}, or None
+    for an update that ran out of memory: its row says so, and the table goes on."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args).to(args.device), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     x, y = encode(task, *task.sample(B, "train", generator), device=args.device)
     A = group_advantages(torch.rand(B, generator=generator), args.group_size).to(args.device)
+
+    def measure(update):
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            with ActivationMemory(model) as memory:   # a pass of its own: its hooks cost Python time
+                update()
+            times = []
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                update()
+                if cuda:
+                    torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it to finish
+                times.append(time.perf_counter() - t0)
+            return {"mb": memory.peak / 2**20, "s": statistics.median(times),
+                    "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            model.zero_grad(set_to_none=True)
+
     print(f"model {model.num_params() / 1e6:.2f}M params | {task.name}, B = {B}, L = {task.gen_len} | BGPO's "
           f"--mc-chunk {args.mc_chunk} | device {args.device} | median of 3 updates\n"
           f" n_t | naive MB  BGPO MB naive/BGPO | naive s  BGPO s BGPO/naive"
@@ -523,42 +538,16 @@ def bench_memory(args, task):
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
-        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward(), cuda)
-        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk),
-                              cuda)
-        rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
-        oom = [name for name, m in (("naive", naive), ("BGPO", bgpo)) if m is None]
-        naive, bgpo = (m or dict.fromkeys(["mb", "s", "cuda_mb"], math.nan) for m in (naive, bgpo))
+        row = {"n_t": n_t, "naive": measure(lambda: naive_loss(model, x, y, mc, None, A).backward()),
+               "bgpo": measure(lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))}
+        rows.append(row)
+        nan = dict.fromkeys(["mb", "s", "cuda_mb"], math.nan)   # the cells of an update out of memory
+        naive, bgpo = row["naive"] or nan, row["bgpo"] or nan
         print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
               f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
               + (f" | {naive['cuda_mb']:>19.1f} {bgpo['cuda_mb']:>6.1f}" if cuda else "")
-              + "".join(f" | {name}: out of memory" for name in oom))
+              + "".join(f" | {name}: out of memory" for name in ("naive", "BGPO") if not row[name.lower()]))
     return rows
-
-def measure_update(model, update, cuda):
-    """{"mb": update()'s peak activation memory (ActivationMemory, in a pass of its own: its hooks run in
-    Python for every saved tensor), "s": its median time over 3 more, "cuda_mb": the CUDA allocator's peak
-    (None on the CPU)}, or None if it ran out of memory."""
-    try:
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        with ActivationMemory(model) as memory:
-            update()
-        times = []
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            update()
-            if cuda:
-                torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
-            times.append(time.perf_counter() - t0)
-        return {"mb": memory.peak / 2**20, "s": statistics.median(times),
-                "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
-    except torch.OutOfMemoryError:
-        return None
-    finally:
-        model.zero_grad(set_to_none=True)
 
 # -----------------------------------------------------------------------------
 # 6. The command line
@@ -617,7 +606,7 @@ def check_args(p, args):
     k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}" \
         + processes(args)
-    ckpt, task = os.path.join(args.out_dir, args.run_name, "ckpt.pt"), get_task(args.task)
+    task, ckpt = get_task(args.task), os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if args.mc_chunk > 1 and args.objective != "bgpo":

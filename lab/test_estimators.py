@@ -110,7 +110,7 @@ def test_elbo_estimators_exact_means_equal_the_exact_elbo_and_exact_variances_ma
         assert abs(mean - elbo) < 1e-10, f"{name}: exact mean {mean:.12f} vs ELBO {elbo:.12f}"
     N, generator, strat, anti = 1000, torch.Generator().manual_seed(n_t), [], []
     with torch.no_grad():
-        for _ in range(5):  # 5,000 draws, 1,000 at a time (a batch of that size runs faster per row)
+        for _ in range(2):  # 2,000 draws, 1,000 at a time (a batch of that size runs faster per row)
             mc = draw_mc_samples(N, L, n_t, generator)
             strat.append(elbo_terms(model, x.expand(N, -1), y.expand(N, -1), mc).mean(1))
             anti.append(estimators.average_of_draws(estimators.antithetic_elbo, n_t, model, x.expand(N, -1),
@@ -228,12 +228,9 @@ def sudoku_toy():
     torch.set_default_dtype(old)
     return model, prompts, *bgpo.encode(task, prompts, answers)
 
-# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the
-# 0.6M model's)
-
-# measured: anchoring lowers the variance for all four puzzles, by 14-66% (lab/README.md has the
-# 0.6M model's)
-@pytest.mark.parametrize("b, lower", [(0, True), (1, True), (2, True), (3, True)])
+# measured: anchoring lowers the variance of both puzzles, by 40% and 31% (each puzzle enumerates 2^16 mask
+# sets in about a second: two of them)
+@pytest.mark.parametrize("b, lower", [(0, True), (1, True)])
 def test_stp_anchors_variance_against_no_anchors_exactly_on_a_trained_sudoku_model(sudoku_toy, b, lower):
     """STP's claim, "strictly reduces the variance of the log-likelihood estimation", checked exactly
     (all 2^16 mask sets) for the count-form ELBO with and without anchors (Sudoku's given cells)."""
