@@ -66,7 +66,7 @@ def draw(figure, png_path):
     for ax, panel in zip(axes.flat, figure["panels"]):
         for line in panel["lines"]:
             drawn, = ax.plot(line["x"], line["y"], line.get("style", "-"), label=line["label"],
-                             alpha=line.get("alpha", 1.0), markersize=3)
+                             alpha=line.get("alpha", 1.0), markersize=3, color=line.get("color"))
             if "band" in line:   # (low, high): an interval around the line, in its colour
                 ax.fill_between(line["x"], *line["band"], color=drawn.get_color(), alpha=0.15, linewidth=0)
         ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"),

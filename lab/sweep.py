@@ -308,7 +308,10 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None):
     if reach:
         panels.append({"title": "pass@k at the rollout temperature (%), final models", "xlabel": "k",
                        "xscale": "log",
-                       "lines": [{"label": label, **band(by_k)} for label, by_k in reach.items()]})
+                       # the arms in the other panels' colours, the SFT model grey and dashed
+                       "lines": [{"label": label, **band(by_k)} for label, by_k in reach.items()
+                                 if label != "SFT model"]
+                       + [{"label": "SFT model", "color": "grey", "style": "--", **band(reach["SFT model"])}]})
     if entropy_curves:
         panels.append({"title": "entropy on the held-out prompts (nats per position)", "xlabel": "RL step",
                        "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})
