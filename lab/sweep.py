@@ -43,9 +43,7 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "neg-weight-1": ("lab.rl", ["--neg-weight", "1"]),          # the paper's weight of negative advantages
     "no-std": ("lab.rl", ["--advantages", "no-std"]),           # A = r - mean, without Eq. 18's / std
     "solved-reward": ("lab.rl", ["--reward", "solved"]),        # no 0.1 for a well-formed wrong answer
-    # screened for a better RL: the same 128 rollouts per step in 8 groups of 16; a 3x larger step
-    "g16": ("lab.rl", ["--group-size", "16", "--prompts-per-step", "8"]),
-    "lr3e-4": ("lab.rl", ["--rl-lr", "3e-4"]),
+    "g16": ("lab.rl", ["--group-size", "16", "--prompts-per-step", "8"]),  # the same 128 rollouts in 8 groups
 }
 
 # -----------------------------------------------------------------------------
@@ -311,7 +309,8 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None):
                        # the arms in the other panels' colours, the SFT model grey and dashed
                        "lines": [{"label": label, **band(by_k)} for label, by_k in reach.items()
                                  if label != "SFT model"]
-                       + [{"label": "SFT model", "color": "grey", "style": "--", **band(reach["SFT model"])}]})
+                       + [{"label": "SFT model", "color": "grey", "style": "--",
+                           **band(reach["SFT model"])}]})
     if entropy_curves:
         panels.append({"title": "entropy on the held-out prompts (nats per position)", "xlabel": "RL step",
                        "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})

@@ -40,13 +40,13 @@ def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_a
 def test_each_ablation_arm_changes_only_the_setting_its_name_says():
     base = vars(rl.parse_args(["--stage", "rl"]))
     changed = {}
-    for arm in ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "lr3e-4"):
+    for arm in ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16"):
         args = vars(rl.parse_args(sweep.arm_argv(arm, 0, [], 2000)))
         changed[arm] = {k for k in base if args[k] != base[k]} - {"run_name", "final_eval_size"}
         assert args["run_name"] != base["run_name"], arm              # and so its own folder
     assert changed == {"nt1": {"mc_samples"}, "neg-weight-1": {"neg_weight"}, "rft": {"advantages"},
                        "no-std": {"advantages"}, "solved-reward": {"reward"},
-                       "g16": {"group_size", "prompts_per_step"}, "lr3e-4": {"rl_lr"}}
+                       "g16": {"group_size", "prompts_per_step"}}
     assert rl.parse_args(sweep.arm_argv("nt1", 0, [], 2000)).mc_samples == 1
     assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, [], 2000)).neg_weight == 1.0
 
