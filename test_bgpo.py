@@ -43,11 +43,13 @@ def float64():
     yield
     torch.set_default_dtype(old)
 
+TINY_SFT_BATCH = 32
+
 @pytest.fixture(autouse=True)
 def small_sft_batches(monkeypatch):
     """The tiny models' SFT draws batches of 32 demonstrations instead of SFT_BATCH's 128: as much as they
     learn from, in a quarter of the time (the SFT checkpoint's name records the batch)."""
-    monkeypatch.setattr(bgpo, "SFT_BATCH", 32)
+    monkeypatch.setattr(bgpo, "SFT_BATCH", TINY_SFT_BATCH)
 
 def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
     """A random model whose conditionals differ clearly from position to position."""
@@ -928,7 +930,7 @@ def dp_worker(rank, port, out_dir):
     with its own patches (undone after it); sizes records the number of elements of every all_reduce."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_default_dtype(torch.float64)
-    bgpo.SFT_BATCH = 32   # as the small_sft_batches fixture sets it in the process that compares
+    bgpo.SFT_BATCH = TINY_SFT_BATCH   # as the small_sft_batches fixture sets it in the process that compares
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # a hang fails the test
     sizes, all_reduce = [], dist.all_reduce
@@ -949,13 +951,16 @@ def dp_worker(rank, port, out_dir):
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
+def free_port():
+    """A TCP port nobody listens on now: the rendezvous address of two processes of a test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """What each of the two processes returned (a list by rank)."""
-    out_dir = tmp_path_factory.mktemp("dp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    out_dir, port = tmp_path_factory.mktemp("dp"), free_port()
     # fork: the children start with this process's modules imported (spawn would import torch again in each)
     torch.multiprocessing.start_processes(dp_worker, args=(port, str(out_dir)), nprocs=2, start_method="fork")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
@@ -1040,9 +1045,7 @@ def script_process(rank, port, argv, stderr_path):
 def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(tmp_path):
     """--stage rl without an SFT model: a RunError on both processes, after they joined the group. Each
     prints one line and leaves the group with the other (no abort, no hang) and exits with code 2."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv, fork = DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)], multiprocessing.get_context("fork")
     processes = [fork.Process(target=script_process, args=(rank, port, argv, tmp_path / f"stderr{rank}"))
                  for rank in (0, 1)]
