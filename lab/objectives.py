@@ -312,8 +312,15 @@ def rft_advantages(rewards, group_size):
     answers: no group baseline, no negative advantage."""
     return (reward_groups(rewards, group_size) == 1.0).to(rewards.dtype).flatten()
 
+def w_reinforce_advantages(rewards, group_size):
+    """W-REINFORCE (Zhu et al., arXiv 2506.01347): +0.1 for a solved rollout, -1 for the rest; no baseline.
+    The solved answers are learned a tenth as fast as the unsolved ones are pushed down."""
+    solved = reward_groups(rewards, group_size) == 1.0
+    return torch.where(solved, 0.1, -1.0).to(rewards.dtype).flatten()
+
 # --advantages of python -m lab.rl: rewards (B,) of consecutive groups -> advantages (B,)
-ADVANTAGES = {"group": group_advantages, "no-std": d1_advantages, "rft": rft_advantages}
+ADVANTAGES = {"group": group_advantages, "no-std": d1_advantages, "rft": rft_advantages,
+              "w-reinforce": w_reinforce_advantages}
 
 def stp_prior(task, prompts):
     """STP's static prior as generate's prior=: (B, L) token ids, MASK at the free positions. On

@@ -76,7 +76,8 @@ def make_parser():
     a("--no-anchors", action="store_true", help="STP without its spatial pruning (anchors), for the ablation")
     a("--advantages", choices=list(ADVANTAGES), default="group",
       help="group: Eq. 18's z-score; no-std: the reward minus the group mean (d1's); rft: 1 for a solved "
-           "rollout, 0 otherwise (rejection-sampling fine-tuning)")
+           "rollout, 0 otherwise (rejection-sampling fine-tuning); w-reinforce: +0.1 for a solved "
+           "rollout, -1 otherwise (Zhu et al.)")
     a("--reward", choices=["task", "solved"], default="task",
       help="what the advantages read: the task's reward, or 1 for a solved problem and 0 otherwise")
     a("--final-eval-size", type=int, default=0,

@@ -44,6 +44,8 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "no-std": ("lab.rl", ["--advantages", "no-std"]),           # A = r - mean, without Eq. 18's / std
     "solved-reward": ("lab.rl", ["--reward", "solved"]),        # no 0.1 for a well-formed wrong answer
     "g16": ("lab.rl", ["--group-size", "16", "--prompts-per-step", "8"]),  # the same 128 rollouts in 8 groups
+    "g32": ("lab.rl", ["--group-size", "32", "--prompts-per-step", "4"]),  # ... and in 4 groups
+    "w-reinforce": ("lab.rl", ["--advantages", "w-reinforce", "--neg-weight", "1"]),  # +0.1 solved, -1 not
 }
 
 # -----------------------------------------------------------------------------
