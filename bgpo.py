@@ -27,7 +27,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -35,7 +34,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tasks import TASKS, get_task
-from tiny_dllm import ModelConfig, TinyDLLM, forward_process, generate, masked_log_likelihood, sft_loss
+from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
+                       masked_log_likelihood, sft_loss)
 
 # -----------------------------------------------------------------------------
 # 1. The ELBO and its Monte Carlo estimate (Eq. 4-5)
@@ -167,46 +167,7 @@ def group_advantages(rewards, group_size):
     return A.masked_fill(tie, 0.0).flatten()
 
 # -----------------------------------------------------------------------------
-# 3. Activation memory: the bytes autograd holds for backward
-
-class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
-    """While active (a with block), counts the peak bytes of distinct tensors saved for backward,
-    excluding the parameters. Each saved tensor is wrapped in a handle whose destruction (when
-    backward frees the graph) releases its bytes, so the count is exact and deterministic on CPU."""
-
-    def __init__(self, model):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.live, self.current, self.peak = {}, 0, 0   # live: storage -> [bytes, handles alive]
-        super().__init__(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.params:
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
-            self.current += self.live[ptr][0]
-            self.peak = max(self.peak, self.current)
-        self.live[ptr][1] += 1
-        handle = _Saved(t)
-        weakref.finalize(handle, self._release, ptr)
-        return handle
-
-    def _release(self, ptr):
-        self.live[ptr][1] -= 1
-        if self.live[ptr][1] == 0:
-            self.current -= self.live.pop(ptr)[0]
-
-    def __enter__(self):
-        super().__enter__()
-        return self
-
-class _Saved:  # a handle whose garbage collection tells us autograd let go of the tensor
-    def __init__(self, t):
-        self.t = t
-
-# -----------------------------------------------------------------------------
-# 4. The script: SFT on demonstrations, then RL with the verifier
+# 3. The script: SFT on demonstrations, then RL with the verifier
 
 DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
@@ -495,7 +456,7 @@ def show_unmasking(model, task, prompt, args):
     return task.decode(y[0].cpu())
 
 # -----------------------------------------------------------------------------
-# 5. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
+# 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
     """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
@@ -550,7 +511,7 @@ def bench_memory(args, task):
     return rows
 
 # -----------------------------------------------------------------------------
-# 6. The command line
+# 5. The command line
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, without the usage dump

@@ -1,6 +1,6 @@
 """
 A tiny masked diffusion language model (dLLM): the network, the forward (masking) process, the
-supervised loss (a negative ELBO) and the sampler.
+supervised loss (a negative ELBO) and the sampler; last, a meter of the activation memory autograd keeps.
 
 Follows LLaDA (Nie et al., 2025) and RADD (Ou et al., ICLR 2025). A clean completion y of length
 L is corrupted by replacing a random subset of its tokens with MASK; the network sees the prompt x
@@ -24,6 +24,7 @@ Shapes: B batch, M Monte Carlo samples (n_t), N rows given to the network (B, or
 L completion length, P prompt length, T = P + L, V vocabulary, C embedding width.
 """
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -211,3 +212,42 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             step += 1
     completions = x[:, P:]
     return (completions, committed_at) if return_steps else completions
+
+# -----------------------------------------------------------------------------
+# Activation memory: the bytes autograd holds for backward, what BGPO saves
+
+class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
+    """While active (a with block), counts the peak bytes of distinct tensors saved for backward,
+    excluding the parameters. Each saved tensor is wrapped in a handle whose destruction (when
+    backward frees the graph) releases its bytes, so the count is exact and deterministic on CPU."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live, self.current, self.peak = {}, 0, 0   # live: storage -> [bytes, handles alive]
+        super().__init__(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+            self.current += self.live[ptr][0]
+            self.peak = max(self.peak, self.current)
+        self.live[ptr][1] += 1
+        handle = _Saved(t)
+        weakref.finalize(handle, self._release, ptr)
+        return handle
+
+    def _release(self, ptr):
+        self.live[ptr][1] -= 1
+        if self.live[ptr][1] == 0:
+            self.current -= self.live.pop(ptr)[0]
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+class _Saved:  # a handle whose garbage collection tells us autograd let go of the tensor
+    def __init__(self, t):
+        self.t = t
