@@ -1,0 +1,70 @@
+"""lab.negatives: its exact measures, the sampler's frequency against the sampler's enumerated law, the sign
+of a half step, and the command end to end."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from lab import negatives, objectives, rl
+from lab.estimators import exact_elbo, random_order_log_likelihood
+from lab.sampler import Rollouts
+from lab.testing import on_policy_setup, random_batch, tiny_argv, tiny_model
+
+def test_exact_measures_are_the_exact_functions_per_row():
+    model = tiny_model().double()
+    x, y = random_batch(B=3, L=5)
+    m = negatives.exact_measures(model, x, y)
+    for b in range(3):
+        with torch.no_grad():
+            elbo, log_likelihood = random_order_log_likelihood(model, x[b], y[b])
+            assert m["elbo"][b].item() == pytest.approx(exact_elbo(model, x[b], y[b]).item(), abs=1e-10)
+        assert m["log_likelihood"][b].item() == pytest.approx(log_likelihood.item(), abs=1e-10)
+        assert m["elbo"][b].item() == pytest.approx(elbo.item(), abs=1e-10)
+    assert (m["gap"] > 0).all()        # Jensen: the log of the mean over orders is above the mean of the logs
+
+def test_sampler_frequency_matches_the_samplers_enumerated_law():
+    """2-token completions of a tiny model at T 1.3: the law sums to 1, and the share of 6,000 draws that
+    write each of the four likeliest completions is within 4.5 standard errors of its probability."""
+    model = tiny_model(seed=1, scale=0.8)
+    prompt = torch.tensor([5, 3, 7])
+    law = negatives.sampler_law(model, prompt, 2, 1.3)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-9)
+    likeliest = sorted(law, key=law.get, reverse=True)[:4]
+    args = argparse.Namespace(gen_steps=None, block_len=None, temperature=1.3)
+    freq, se = negatives.sampler_frequency(model, prompt.expand(4, -1), torch.tensor(likeliest), 4, 6000, args,
+                                           torch.Generator().manual_seed(0))
+    for completion, f, s in zip(likeliest, freq.tolist(), se.tolist()):
+        assert abs(f - law[completion]) < 4.5 * max(s, 1e-3), (completion, f, law[completion], s)
+    assert law[likeliest[0]] > 0.3 and law[likeliest[3]] > 0.02      # a peaked law, each within reach
+
+def test_a_small_step_on_the_negative_half_lowers_the_elbo_it_weights():
+    """First order: Adam's first step moves against the sign of the half's gradient g = -sum_b |A_b| grad
+    ELBO_b / (L B) over the A < 0 rows, so sum_b |A_b| (ELBO_b after - before) < 0; the positive rows
+    raise theirs likewise."""
+    model, x, y, mc, _, A = on_policy_setup(M=6)
+    model = model.double()
+    args = rl.parse_args(["--stage", "rl"])
+    batch = Rollouts(["?"] * 6, x, y, None, ["?"] * 6, torch.zeros(6))
+    state = {"mc": mc, "old_terms": None}
+    before = negatives.exact_measures(model, x, y)["elbo"]
+    for half, rows in (("negative", A < 0), ("positive", A > 0)):
+        after = negatives.exact_measures(negatives.half_step(model, batch, state, A, half, 1e-5, args), x, y)
+        weighted = (A[rows].abs() * (after["elbo"] - before)[rows]).sum().item()
+        assert (weighted < 0) if half == "negative" else (weighted > 0), (half, weighted)
+
+def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, capsys):
+    argv = tiny_argv(tmp_path, "--sft-steps", "30")
+    with pytest.raises(SystemExit) as e:
+        from lab.cli import command_line
+        command_line(lambda: negatives.main([*argv, "--seeds", "0"]), "python -m lab.negatives")
+    assert e.value.code == 2 and "no SFT model at" in capsys.readouterr().err
+    rl.main([*argv, "--stage", "sft"])
+    # W-REINFORCE's A = -1 on every unsolved rollout: a half-trained model's groups all carry a signal
+    table = negatives.main([*argv, "--seeds", "0", "--batches", "1", "--groups", "1", "--sampler-draws", "20",
+                            "--advantages", "w-reinforce", "--neg-weight", "1"])
+    measured = {(r["update"], r["step"], r["rows"], r["measure"]) for r in table}
+    assert ("negative", "default", "negative", "sampler_frequency") in measured
+    assert ("negative", "small", "negative", "elbo") in measured
+    assert all(r["n"] == 4 for r in table if r["rows"] == "negative")    # one group of G = 4
+    assert json.load(open(tmp_path / "negatives.json"))["table"] == json.loads(json.dumps(table))
