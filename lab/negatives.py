@@ -24,6 +24,7 @@ a signal, before and after, per token (/ L):
 Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table, mean over (seed,
 batch) units with 95% Student-t intervals, and writes it to negatives.json in --out-dir.
 """
+import argparse
 import copy
 import itertools
 import json
@@ -174,7 +175,7 @@ def summarise(units, L):
             continue
         mean, half_width = interval(per_unit)
         table.append({"update": half, "step": size, "rows": on, "measure": name, "mean": mean,
-                      "half_width": half_width, "share_fell": fell / max(n, 1), "n": n, "units": len(per_unit)})
+                      "half_width": half_width, "share_fell": fell / n, "n": n, "units": len(per_unit)})
     return table
 
 def main(argv=None):
@@ -193,44 +194,40 @@ def main(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.small_lr) and args.small_lr > 0):
         p.error(f"--small-lr must be positive, got {args.small_lr}")
-    seeds, batches, groups, draws, small_lr, advantages = (args.seeds, args.batches, args.groups,
-                                                           args.sampler_draws, args.small_lr, args.advantages)
-    del args.seeds, args.batches, args.groups, args.sampler_draws, args.small_lr, args.advantages
     task, units, t0 = get_task(args.task), [], time.time()
-    for seed in seeds:
-        args.seed = seed
-        seeded = cli.check_args(p, copy.copy(args))
-        seeded.groups, seeded.sampler_draws, seeded.small_lr, seeded.advantages = groups, draws, small_lr, \
-            advantages
+    for seed in args.seeds:
+        seeded = cli.check_args(p, argparse.Namespace(**{**vars(args), "seed": seed}))
         path = rl.sft_path(seeded)
         if not os.path.isfile(path):
-            raise bgpo.RunError(f"no SFT model at {path}: python -m lab.rl --stage sft --seed {seed} makes it")
+            raise bgpo.RunError(f"no SFT model at {path} (python -m lab.rl --stage sft --seed {seed})")
         model = bgpo.load_model(path, task, seeded)
         generator = torch.Generator().manual_seed(seed + 1)   # lab.rl's: batch 1 is its first rollout batch
-        for b in range(batches):
+        for b in range(args.batches):
             unit = one_unit(model, task, seeded, generator)
             if unit is None:
                 print(f"seed {seed} batch {b + 1}: no group with a signal (every group's rewards tie)")
                 continue
             units.append(unit)
+            signs = unit["sign"]
             print(f"seed {seed} batch {b + 1}: {unit['groups']} groups, {unit['rows']} completions "
-                  f"({int((unit['sign'] < 0).sum())} negative, {int((unit['sign'] > 0).sum())} positive) | "
+                  f"({int((signs < 0).sum())} negative, {int((signs > 0).sum())} positive) | "
                   f"{time.time() - t0:.0f} s")
     if not units:
         raise bgpo.RunError("no rollout batch had a group with a signal: nothing to measure")
     table = summarise(units, task.gen_len)
-    print(f"\nchange per token (nats) of the completions' likelihood after one step on one half of the update, "
-          f"mean over {len(units)} (seed, batch) units [95% interval]; share: of the rows, pooled, whose value "
-          f"fell\nsampler: change of the frequency with which the sampler writes the completion, from {draws} "
-          f"draws of its prompt\n")
+    print(f"\nchange per token (nats) of the completions' likelihood after one step on one half of the "
+          f"update, mean over {len(units)} (seed, batch) units [95% interval]; share: of the rows, pooled, "
+          f"whose value fell\nsampler: change of the frequency with which the sampler writes the completion, "
+          f"from {args.sampler_draws} draws of its prompt\n")
     print(f"{'update':<10}{'step':<9}{'rows':<10}{'measure':<18}{'mean change':>24}{'share fell':>12}")
     for r in table:
         value = f"{r['mean']:+.2e} [{r['mean'] - r['half_width']:+.1e}, {r['mean'] + r['half_width']:+.1e}]"
         print(f"{r['update']:<10}{r['step']:<9}{r['rows']:<10}{r['measure']:<18}{value:>24}"
               f"{r['share_fell']:>12.2f}")
     cli.write_json(os.path.join(args.out_dir, "negatives.json"),
-                   {"seeds": seeds, "batches": batches, "groups": groups, "sampler_draws": draws,
-                    "rl_lr": args.rl_lr, "small_lr": small_lr, "table": table})
+                   {"seeds": args.seeds, "batches": args.batches, "groups": args.groups,
+                    "sampler_draws": args.sampler_draws, "rl_lr": args.rl_lr, "small_lr": args.small_lr,
+                    "table": table})
     return table
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bgpo
-from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, objectives,
-                 offpolicy, rl, sampler, stages)
+from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, negatives,
+                 objectives, offpolicy, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 
@@ -204,7 +204,7 @@ def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, cap
     assert e.value.code == 2 and "no RL log" in err and err.count("\n") == 1, err
 
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
-                                     offpolicy, stages])
+                                     negatives, offpolicy, stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])
@@ -214,7 +214,7 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
         "the lab's flags, with bgpo.py's constants as defaults")
 
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
-                                     offpolicy, stages])
+                                     negatives, offpolicy, stages])
 @pytest.mark.parametrize("extra", [["--temperature", "-1"], ["--sft-lr", "1e-3"], ["--rl-steps", "0"]])
 def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, command, extra):
     """--sft-lr is no flag (SFT is bgpo.py's, with its constants); bgpo.check_args refuses --rl-steps 0."""

@@ -32,8 +32,8 @@ def test_sampler_frequency_matches_the_samplers_enumerated_law():
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-9)
     likeliest = sorted(law, key=law.get, reverse=True)[:4]
     args = argparse.Namespace(gen_steps=None, block_len=None, temperature=1.3)
-    freq, se = negatives.sampler_frequency(model, prompt.expand(4, -1), torch.tensor(likeliest), 4, 6000, args,
-                                           torch.Generator().manual_seed(0))
+    freq, se = negatives.sampler_frequency(model, prompt.expand(4, -1), torch.tensor(likeliest), 4, 6000,
+                                           args, torch.Generator().manual_seed(0))
     for completion, f, s in zip(likeliest, freq.tolist(), se.tolist()):
         assert abs(f - law[completion]) < 4.5 * max(s, 1e-3), (completion, f, law[completion], s)
     assert law[likeliest[0]] > 0.3 and law[likeliest[3]] > 0.02      # a peaked law, each within reach
