@@ -29,10 +29,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import bgpo
 import tasks
 import tiny_dllm
-from bgpo import (ActivationMemory, bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, group_advantages,
-                  naive_loss, naive_objective)
+from bgpo import (bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, group_advantages, naive_loss,
+                  naive_objective)
 from tasks import TOKENIZER, get_task
-from tiny_dllm import ModelConfig, TinyDLLM, forward_process, generate, masked_log_likelihood, sft_loss
+from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
+                       masked_log_likelihood, sft_loss)
 
 TASK_NAMES = ["arithmetic", "countdown", "sudoku"]
 

@@ -214,7 +214,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     return (completions, committed_at) if return_steps else completions
 
 # -----------------------------------------------------------------------------
-# Activation memory: the bytes autograd holds for backward, what BGPO saves
+# Activation memory: the bytes autograd holds for backward, which BGPO keeps flat in n_t
 
 class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
     """While active (a with block), counts the peak bytes of distinct tensors saved for backward,

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 import bgpo
-from bgpo import (ActivationMemory, RunError, bgpo_backward, draw_mc_samples, elbo_terms, group_advantages,
-                  naive_loss)
+from bgpo import RunError, bgpo_backward, draw_mc_samples, elbo_terms, group_advantages, naive_loss
 from lab import cli
 from lab.estimators import (anchored_elbo, antithetic_moments, average_of_draws, count_form_moments,
                             diffucoder_moments, dtrpo_log_likelihood, elbo_from_table, exact_elbo,
@@ -37,6 +36,7 @@ from lab.figures import draw
 from lab.objectives import flat_grad
 from lab.sampler import sample_rollouts
 from tasks import get_task
+from tiny_dllm import ActivationMemory
 
 N_T = (1, 2, 4, 8, 16, 32, 64)
 MAX_PROMPT_MASKED = 14                   # d1's prompt masking is enumerated up to 2^14 prompt masks

@@ -15,12 +15,13 @@ import time
 import torch
 
 import bgpo
-from bgpo import ActivationMemory, encode, group_advantages, make_model
+from bgpo import encode, group_advantages, make_model
 from lab import cli
 from lab.figures import draw
 from lab.objectives import OBJECTIVES
 from lab.sampler import Rollouts
 from tasks import get_task
+from tiny_dllm import ActivationMemory
 
 def bench_batch(task, args):
     """bgpo.bench_memory's batch (a copy): B = G x prompts demonstrations with random rewards, which never

@@ -1,7 +1,7 @@
 """
 What each half of BGPO's update does to the likelihood of the completions it acts on, measured exactly.
 
-Where A >= 0 the update raises the ELBO of a completion, a lower bound of log pi(y|x): the likelihood is
+Where A > 0 the update raises the ELBO of a completion, a lower bound of log pi(y|x): the likelihood is
 pushed up from below. Where A < 0 it lowers the ELBO, which guarantees nothing about the likelihood: the
 ELBO is the mean over unmasking orders of each order's log-likelihood, log pi the log of the mean of their
 likelihoods, so an update can lower the ELBO through orders that carry almost none of the probability.
@@ -9,25 +9,27 @@ SPG (Wang et al., arXiv 2510.09541) makes this argument. Completions of Countdow
 lab can compute both exactly (lab/estimators.py, over the 2^L mask sets) and see what happens.
 
 For each seed's SFT model and rollout batch (the first is the default RL run's first batch), one update on
-the negative-advantage rows alone and, separately, one on the positive rows alone, each the first step of
-the default optimizer (AdamW at --rl-lr, fresh moments, as RL step 1 takes) and a small one (--small-lr,
-where the first-order picture holds). Measured on every completion of the first --groups groups that carry
-a signal, before and after, per token (/ L):
+the negative-advantage rows alone and, separately, one on the positive rows alone: the first step of the
+default optimizer (AdamW at --rl-lr with fresh moments, as RL step 1 takes without warmup: it moves every
+weight by about --rl-lr, whatever its gradient's size), and a small gradient step (the half's gradient,
+scaled to --small-step in parameter norm, where the first-order picture holds). Measured on every
+completion of the first --groups groups that carry a signal, before and after, per token (/ L):
 - the random-order model's log-likelihood log E_sigma p_sigma(y|x), exactly;
 - the ELBO, E_sigma log p_sigma(y|x), exactly; and the gap between them (>= 0, Jensen);
 - how often the rollouts' sampler (LLaDA's low-confidence sampler at --temperature) writes the completion
   again, from --sampler-draws fresh draws of its prompt (the default step only: a small step's change is
   below that count's resolution).
 
-    python -m lab.negatives [--seeds 0-2] [--batches 2] [--groups 4] [--sampler-draws 500] [any lab.rl flag]
+    python -m lab.negatives [--seeds 0-2] [--batches 2] [--groups 2] [--sampler-draws 500] [bgpo.py's flags
+                            and the lab's common ones: --temperature, --neg-weight, --rl-lr, ...]
 
-Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table, mean over (seed,
-batch) units with 95% Student-t intervals, and writes it to negatives.json in --out-dir.
+Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table: per seed the mean over
+its batches, then the mean over seeds with a 95% Student-t interval (the batches of a seed share its SFT
+model, so the seeds are the independent units); writes it to negatives.json in --out-dir.
 """
 import argparse
 import copy
 import itertools
-import json
 import math
 import os
 import time
@@ -37,7 +39,7 @@ import torch
 import bgpo
 from lab import cli, rl
 from lab.estimators import exact_table, random_order_from_table
-from lab.objectives import ADVANTAGES, OBJECTIVES, rows_of
+from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of
 from lab.sampler import generate, sample_rollouts
 from lab.sweep import interval, parse_seeds
 from tasks import get_task
@@ -52,6 +54,7 @@ def exact_measures(model, prompts, completions):
     """Per row, exactly, in nats, from one enumeration of its 2^L mask sets (float64 model advised: the small
     step's changes are ~1e-5 nats): {"log_likelihood": log E_sigma p_sigma(y|x), "elbo": E_sigma log
     p_sigma(y|x), "gap": their difference}, each (B,)."""
+    # exact_table's masks and float64 log-probabilities; its other two tables are not needed here
     elbo, log_likelihood = zip(*(random_order_from_table(*exact_table(model, x, y)[:2])
                                  for x, y in zip(prompts, completions)))
     elbo, log_likelihood = torch.stack(elbo), torch.stack(log_likelihood)
@@ -80,6 +83,8 @@ def sampler_law(model, prompt, gen_len, temperature):
     draws a token from softmax(logits / T), and the one whose drawn token is most probable under
     softmax(logits) is committed. -> {completion tuple: probability}. Sums over V^(masked positions) draws
     per state: tiny models and 2-3 tokens only (the test of sampler_frequency)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature: the law is enumerated for a temperature > 0, got {temperature}")
     mask_id, P = model.config.mask_id, prompt.shape[0]
     law = {}
 
@@ -106,17 +111,29 @@ def sampler_law(model, prompt, gen_len, temperature):
 # -----------------------------------------------------------------------------
 # One half of the update, one step
 
-def half_step(model, batch, state, A, half, lr, args):
-    """A copy of model after one step of AdamW (fresh moments, lr, lab.rl's clip) on the rows of one half,
-    their A scaled by their share of the batch, as lab.rl's split_by_sign does: the half's own part of the
-    update's gradient."""
+def half_gradient(model, batch, state, A, half, args):
+    """The half's own part of the update's gradient, left in model's .grad: the rows of one half (A < 0 or
+    A > 0), their A scaled by the half's share of the batch, as lab.rl's split_by_sign does, so that the two
+    halves add up to the whole update."""
     rows = HALVES[half](A)
-    stepped = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(stepped.parameters(), lr=lr, weight_decay=0.0)
-    OBJECTIVES[args.objective].backward(stepped, rows_of(batch, rows), rows_of(state, rows),
+    model.zero_grad(set_to_none=True)
+    OBJECTIVES[args.objective].backward(model, rows_of(batch, rows), rows_of(state, rows),
                                         A[rows] * int(rows.sum()) / len(A), args, 0)
-    torch.nn.utils.clip_grad_norm_(stepped.parameters(), 1.0)
-    optimizer.step()
+    return flat_grad(model)
+
+def half_step(model, batch, state, A, half, step, args):
+    """A copy of model after one step on one half of the update: "default", AdamW with fresh moments at
+    --rl-lr after lab.rl's clip; "small", gradient descent of norm --small-step."""
+    stepped = copy.deepcopy(model)
+    g = half_gradient(stepped, batch, state, A, half, args)
+    if step == "default":
+        torch.nn.utils.clip_grad_norm_(stepped.parameters(), 1.0)
+        torch.optim.AdamW(stepped.parameters(), lr=args.rl_lr, weight_decay=0.0).step()
+    else:
+        with torch.no_grad():
+            for p in stepped.parameters():
+                if p.grad is not None:
+                    p -= args.small_step * p.grad / g.norm()
     return stepped
 
 def measure(model, batch, rows, args, generator, sampler=True):
@@ -139,43 +156,45 @@ def one_unit(model, task, args, generator):
     state = OBJECTIVES[args.objective].prepare(model, batch, args, generator)
     signal = (A.view(-1, G) != 0).any(1).nonzero()[:, 0][:args.groups]   # the first groups with a signal
     rows = (signal[:, None] * G + torch.arange(G, device=signal.device)).flatten()
+    if not len(rows):
+        return None
     sign = A[rows].sign().cpu()
     draw_seed = int(torch.randint(2**31, (1,), generator=generator))
     freq_gen = lambda: torch.Generator().manual_seed(draw_seed)   # the same draws before and after
-    if not len(rows):
-        return None
     before = measure(model, batch, rows, args, freq_gen())
     changes = {}
-    for half, (size, lr) in itertools.product(HALVES, (("default", args.rl_lr), ("small", args.small_lr))):
+    for half, step in itertools.product(HALVES, ("default", "small")):
         if not HALVES[half](A).any():
             continue
-        after = measure(half_step(model, batch, state, A, half, lr, args), batch, rows, args, freq_gen(),
-                        sampler=size == "default")
-        changes[half, size] = {name: after[name] - before[name] for name in after}
-    return {"rows": len(rows), "groups": len(signal), "sign": sign, "before": before, "changes": changes,
-            "solved": batch.rewards[rows.cpu()]}
+        after = measure(half_step(model, batch, state, A, half, step, args), batch, rows, args, freq_gen(),
+                        sampler=step == "default")
+        changes[half, step] = {name: after[name] - before[name] for name in after}
+    return {"seed": args.seed, "rows": len(rows), "groups": len(signal), "sign": sign, "before": before,
+            "changes": changes}
 
 def summarise(units, L):
-    """Per (half, step, rows of a sign, measure): the mean over units of each unit's mean change per token,
-    with its interval; the share of rows whose measure fell (pooled over units). The sampler frequency's
+    """Per (half, step, rows of a sign, measure): each seed's mean change per token over its batches' rows,
+    then the mean over seeds with its interval; the shares of rows, pooled, whose measure fell and rose
+    (the sampler's frequency is often unchanged: the same draws before and after). The sampler frequency's
     change is per completion, not per token."""
     table, updates = [], sorted({key for unit in units for key in unit["changes"]})
-    for (half, size), on, name in itertools.product(updates, ("negative", "positive"), MEASURES):
-        per_unit, fell, n = [], 0, 0
+    for (half, step), on, name in itertools.product(updates, ("negative", "positive"), MEASURES):
+        per_seed, fell, rose = {}, 0, 0
         for unit in units:
             rows = unit["sign"] < 0 if on == "negative" else unit["sign"] > 0
-            if name not in unit["changes"].get((half, size), {}):
+            if name not in unit["changes"].get((half, step), {}) or not rows.any():
                 continue
-            change = unit["changes"][half, size][name][rows]
+            change = unit["changes"][half, step][name][rows]
             change = change if name == "sampler_frequency" else change / L
-            if len(change):
-                per_unit.append(change.mean().item())
-                fell, n = fell + int((change < 0).sum()), n + len(change)
-        if not per_unit:
+            per_seed.setdefault(unit["seed"], []).append(change)
+            fell, rose = fell + int((change < 0).sum()), rose + int((change > 0).sum())
+        if not per_seed:
             continue
-        mean, half_width = interval(per_unit)
-        table.append({"update": half, "step": size, "rows": on, "measure": name, "mean": mean,
-                      "half_width": half_width, "share_fell": fell / n, "n": n, "units": len(per_unit)})
+        mean, half_width = interval([torch.cat(c).mean().item() for c in per_seed.values()])
+        n = sum(len(c) for changes in per_seed.values() for c in changes)
+        table.append({"update": half, "step": step, "rows": on, "measure": name, "mean": mean,
+                      "half_width": half_width, "share_fell": fell / n, "share_rose": rose / n, "n": n,
+                      "seeds": len(per_seed)})
     return table
 
 def main(argv=None):
@@ -183,24 +202,26 @@ def main(argv=None):
     a = p.add_argument
     a("--seeds", type=parse_seeds, default=parse_seeds("0-2"), help="seeds, e.g. 0-2 or 0,3")
     a("--batches", type=int, default=2, help="rollout batches per seed, drawn from its SFT model")
-    a("--groups", type=int, default=4, help="groups with a signal measured per batch (L=10: ~1 s per row)")
+    a("--groups", type=int, default=2, help="groups with a signal measured per batch (L=10: ~1 s per row)")
     a("--sampler-draws", type=int, default=500, help="fresh samples per prompt for the sampler's frequency")
-    a("--small-lr", type=float, default=1e-6, help="the learning rate of the small step")
+    a("--small-step", type=float, default=1e-3,
+      help="the small step's norm in parameter space (AdamW's first step at --rl-lr 1e-4: about 0.08)")
     a("--advantages", choices=list(ADVANTAGES), default="group", help="as lab.rl's")
     a("--objective", choices=["bgpo"], default="bgpo", help="the update measured")
     args = p.parse_args(argv)
     for flag in ("batches", "groups", "sampler_draws"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if not (math.isfinite(args.small_lr) and args.small_lr > 0):
-        p.error(f"--small-lr must be positive, got {args.small_lr}")
+    if not (math.isfinite(args.small_step) and args.small_step > 0):
+        p.error(f"--small-step must be positive, got {args.small_step}")
     task, units, t0 = get_task(args.task), [], time.time()
-    for seed in args.seeds:
-        seeded = cli.check_args(p, argparse.Namespace(**{**vars(args), "seed": seed}))
-        path = rl.sft_path(seeded)
-        if not os.path.isfile(path):
-            raise bgpo.RunError(f"no SFT model at {path} (python -m lab.rl --stage sft --seed {seed})")
-        model = bgpo.load_model(path, task, seeded)
+    per_seed = [cli.check_args(p, argparse.Namespace(**{**vars(args), "seed": seed})) for seed in args.seeds]
+    for seeded in per_seed:   # every SFT model is there before any is measured
+        if not os.path.isfile(rl.sft_path(seeded)):
+            raise bgpo.RunError(f"no SFT model at {rl.sft_path(seeded)} (python -m lab.rl --stage sft "
+                                f"--seed {seeded.seed})")
+    for seeded in per_seed:
+        seed, model = seeded.seed, bgpo.load_model(rl.sft_path(seeded), task, seeded)
         generator = torch.Generator().manual_seed(seed + 1)   # lab.rl's: batch 1 is its first rollout batch
         for b in range(args.batches):
             unit = one_unit(model, task, seeded, generator)
@@ -216,17 +237,18 @@ def main(argv=None):
         raise bgpo.RunError("no rollout batch had a group with a signal: nothing to measure")
     table = summarise(units, task.gen_len)
     print(f"\nchange per token (nats) of the completions' likelihood after one step on one half of the "
-          f"update, mean over {len(units)} (seed, batch) units [95% interval]; share: of the rows, pooled, "
-          f"whose value fell\nsampler: change of the frequency with which the sampler writes the completion, "
-          f"from {args.sampler_draws} draws of its prompt\n")
-    print(f"{'update':<10}{'step':<9}{'rows':<10}{'measure':<18}{'mean change':>24}{'share fell':>12}")
+          f"update: per seed the mean over its batches, then the mean over {len(args.seeds)} seeds [95% "
+          f"interval]; the shares of the rows, pooled, whose value fell and rose\nsampler: change of the "
+          f"frequency with which the sampler writes the completion, from {args.sampler_draws} draws of its "
+          f"prompt\n")
+    print(f"{'update':<10}{'step':<9}{'rows':<10}{'measure':<18}{'mean change':>24}{'fell':>6}{'rose':>6}")
     for r in table:
         value = f"{r['mean']:+.2e} [{r['mean'] - r['half_width']:+.1e}, {r['mean'] + r['half_width']:+.1e}]"
         print(f"{r['update']:<10}{r['step']:<9}{r['rows']:<10}{r['measure']:<18}{value:>24}"
-              f"{r['share_fell']:>12.2f}")
+              f"{r['share_fell']:>6.2f}{r['share_rose']:>6.2f}")
     cli.write_json(os.path.join(args.out_dir, "negatives.json"),
                    {"seeds": args.seeds, "batches": args.batches, "groups": args.groups,
-                    "sampler_draws": args.sampler_draws, "rl_lr": args.rl_lr, "small_lr": args.small_lr,
+                    "sampler_draws": args.sampler_draws, "rl_lr": args.rl_lr, "small_step": args.small_step,
                     "table": table})
     return table
 

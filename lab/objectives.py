@@ -313,8 +313,9 @@ def rft_advantages(rewards, group_size):
     return (reward_groups(rewards, group_size) == 1.0).to(rewards.dtype).flatten()
 
 def w_reinforce_advantages(rewards, group_size):
-    """W-REINFORCE (Zhu et al., arXiv 2506.01347): +0.1 for a solved rollout, -1 for the rest; no baseline.
-    The solved answers are learned a tenth as fast as the unsolved ones are pushed down."""
+    """W-REINFORCE (Zhu et al., arXiv 2506.01347): +0.1 for a solved rollout, -1 for the rest (a well-formed
+    wrong answer, reward 0.1, included); no baseline. The solved answers weigh a tenth as much as the
+    unsolved ones."""
     solved = reward_groups(rewards, group_size) == 1.0
     return torch.where(solved, 0.1, -1.0).to(rewards.dtype).flatten()
 

@@ -44,13 +44,13 @@ from dataclasses import asdict
 import torch
 
 import bgpo
-from bgpo import ActivationMemory, RunError, held_out, load_checkpoint, save_checkpoint
+from bgpo import RunError, held_out, load_checkpoint, save_checkpoint
 from lab import cli
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of, sampler_options
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, get_task, parse_expression
-from tiny_dllm import sft_loss
+from tiny_dllm import ActivationMemory, sft_loss
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
 ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO

@@ -1,15 +1,16 @@
-"""lab.negatives: its exact measures, the sampler's frequency against the sampler's enumerated law, the sign
-of a half step, and the command end to end."""
+"""lab.negatives: its exact measures, the sampler's frequency against the sampler's enumerated law, the two
+halves of the update and a small step on each, and the command end to end."""
 import argparse
 import json
 
 import pytest
 import torch
 
+import bgpo
 from lab import negatives, objectives, rl
 from lab.estimators import exact_elbo, random_order_log_likelihood
 from lab.sampler import Rollouts
-from lab.testing import on_policy_setup, random_batch, tiny_argv, tiny_model
+from lab.testing import grads, on_policy_setup, random_batch, tiny_argv, tiny_model
 
 def test_exact_measures_are_the_exact_functions_per_row():
     model = tiny_model().double()
@@ -38,19 +39,25 @@ def test_sampler_frequency_matches_the_samplers_enumerated_law():
         assert abs(f - law[completion]) < 4.5 * max(s, 1e-3), (completion, f, law[completion], s)
     assert law[likeliest[0]] > 0.3 and law[likeliest[3]] > 0.02      # a peaked law, each within reach
 
-def test_a_small_step_on_the_negative_half_lowers_the_elbo_it_weights():
-    """First order: Adam's first step moves against the sign of the half's gradient g = -sum_b |A_b| grad
-    ELBO_b / (L B) over the A < 0 rows, so sum_b |A_b| (ELBO_b after - before) < 0; the positive rows
-    raise theirs likewise."""
+def test_the_two_halves_add_up_to_the_update_and_a_small_step_moves_the_elbo_each_weights_its_way():
+    """The halves' gradients sum to one bgpo_backward on the whole batch. The small step descends the half's
+    loss -sum_b A_b ELBO_hat_b / (L B) on its rows, so to first order sum_b |A_b| ELBO_hat_b (the estimate on
+    the same masks) falls on the A < 0 rows and rises on the A > 0 rows."""
     model, x, y, mc, _, A = on_policy_setup(M=6)
-    model = model.double()
     args = rl.parse_args(["--stage", "rl"])
+    args.small_step = 1e-4
     batch = Rollouts(["?"] * 6, x, y, None, ["?"] * 6, torch.zeros(6))
     state = {"mc": mc, "old_terms": None}
-    before = negatives.exact_measures(model, x, y)["elbo"]
+    model.zero_grad()
+    bgpo.bgpo_backward(model, x, y, mc, None, A)
+    whole = grads(model).clone()
+    halves = sum(negatives.half_gradient(model, batch, state, A, half, args) for half in negatives.HALVES)
+    assert (halves - whole).abs().max() < 1e-12 and whole.abs().max() > 1e-3
+    elbo_hat = lambda m: bgpo.elbo_terms(m, x, y, mc).mean(1).detach()         # (B,)
+    before = elbo_hat(model)
     for half, rows in (("negative", A < 0), ("positive", A > 0)):
-        after = negatives.exact_measures(negatives.half_step(model, batch, state, A, half, 1e-5, args), x, y)
-        weighted = (A[rows].abs() * (after["elbo"] - before)[rows]).sum().item()
+        after = elbo_hat(negatives.half_step(model, batch, state, A, half, "small", args))
+        weighted = (A[rows].abs() * (after - before)[rows]).sum()
         assert (weighted < 0) if half == "negative" else (weighted > 0), (half, weighted)
 
 def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, capsys):
@@ -60,11 +67,13 @@ def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, 
         command_line(lambda: negatives.main([*argv, "--seeds", "0"]), "python -m lab.negatives")
     assert e.value.code == 2 and "no SFT model at" in capsys.readouterr().err
     rl.main([*argv, "--stage", "sft"])
-    # W-REINFORCE's A = -1 on every unsolved rollout: a half-trained model's groups all carry a signal
+    # W-REINFORCE's A is never 0: every group carries a signal, whatever the model solves
     table = negatives.main([*argv, "--seeds", "0", "--batches", "1", "--groups", "1", "--sampler-draws", "20",
                             "--advantages", "w-reinforce", "--neg-weight", "1"])
     measured = {(r["update"], r["step"], r["rows"], r["measure"]) for r in table}
     assert ("negative", "default", "negative", "sampler_frequency") in measured
     assert ("negative", "small", "negative", "elbo") in measured
-    assert all(r["n"] == 4 for r in table if r["rows"] == "negative")    # one group of G = 4
+    counts = {r["rows"]: r["n"] for r in table if (r["update"], r["step"], r["measure"]) == (
+        "negative", "default", "elbo")}
+    assert sum(counts.values()) == 4                                       # one group of G = 4
     assert json.load(open(tmp_path / "negatives.json"))["table"] == json.loads(json.dumps(table))

@@ -20,7 +20,7 @@ from lab.sampler import Rollouts
 from lab.sampler import generate as lab_generate
 from lab.testing import grads, on_policy_setup, random_batch, read_log, report, tiny_argv, tiny_model
 from tasks import get_task
-from tiny_dllm import generate
+from tiny_dllm import ActivationMemory, generate
 
 def lab_args(**settings):
     """The settings the objectives read, as lab.rl would give them."""
@@ -347,11 +347,11 @@ def test_naive_two_pass_activation_memory_is_flat_in_n_t_like_bgpo():
     peak = {}
     for M in (1, 16):
         model, x, y, mc, old_terms, A = off_policy_setup(M)
-        with bgpo.ActivationMemory(model) as two_pass:
+        with ActivationMemory(model) as two_pass:
             objectives.naive_two_pass_backward(model, x, y, mc, old_terms, A, 0.2)
-        with bgpo.ActivationMemory(model) as bound:
+        with ActivationMemory(model) as bound:
             bgpo_backward(model, x, y, mc, old_terms, A, 0.2)
-        with bgpo.ActivationMemory(model) as one_graph:
+        with ActivationMemory(model) as one_graph:
             bgpo.naive_loss(model, x, y, mc, old_terms, A, 0.2).backward()
         peak[M] = two_pass.peak, bound.peak, one_graph.peak
     print(f"peak activation bytes (two-pass, BGPO, one graph): n_t=1 {peak[1]}, n_t=16 {peak[16]}")

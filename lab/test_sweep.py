@@ -40,13 +40,15 @@ def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_a
 def test_w_reinforce_advantages_by_hand():
     """+0.1 on a solved rollout (reward 1), -1 on the rest, the 0.1 of a well-formed wrong answer included."""
     rewards = torch.tensor([1.0, 0.1, 0.0, 1.0, 1.0, 0.1])
-    assert objectives.ADVANTAGES["w-reinforce"](rewards, 3).tolist() == pytest.approx([0.1, -1, -1, 0.1, 0.1, -1])
+    expected = [0.1, -1, -1, 0.1, 0.1, -1]
+    assert objectives.ADVANTAGES["w-reinforce"](rewards, 3).tolist() == pytest.approx(expected)
     assert rl.parse_args(sweep.arm_argv("w-reinforce", 0, [], 2000)).neg_weight == 1.0    # -1 is not halved
 
 def test_each_ablation_arm_changes_only_the_setting_its_name_says():
     base = vars(rl.parse_args(["--stage", "rl"]))
     changed = {}
-    for arm in ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "g32", "w-reinforce"):
+    arms = ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "g32", "w-reinforce")
+    for arm in arms:
         args = vars(rl.parse_args(sweep.arm_argv(arm, 0, [], 2000)))
         changed[arm] = {k for k in base if args[k] != base[k]} - {"run_name", "final_eval_size"}
         assert args["run_name"] != base["run_name"], arm              # and so its own folder
