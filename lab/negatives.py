@@ -22,6 +22,7 @@ completion of the first --groups groups that carry a signal, before and after, p
 
     python -m lab.negatives [--seeds 0-2] [--batches 2] [--groups 2] [--sampler-draws 500] [bgpo.py's flags
                             and the lab's common ones: --temperature, --neg-weight, --rl-lr, ...]
+    python -m lab.negatives --describe RUN/ckpt.pt [--seed S]   # the same measures of a model's own rollouts
 
 Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table: per seed the mean over
 its batches, then the mean over seeds with a 95% Student-t interval (the batches of a seed share its SFT
@@ -197,6 +198,29 @@ def summarise(units, L):
                       "seeds": len(per_seed)})
     return table
 
+def describe(path, task, args, n_prompts=2):
+    """The measures of the completions a checkpoint's model writes itself: G rollouts of each of the first
+    n_prompts held-out problems, each with its reward, its exact log-likelihood, ELBO and gap per token, and
+    how often the sampler writes it. Prints one line per completion; returns the rows."""
+    model = bgpo.load_model(path, task, args)
+    batch = sample_rollouts(model, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
+                            torch.Generator().manual_seed(args.seed + 4))
+    exact = exact_measures(copy.deepcopy(model).double().cpu(), batch.x.cpu(), batch.y.cpu())
+    freq, se = sampler_frequency(model, batch.x, batch.y, args.group_size, args.sampler_draws, args,
+                                 torch.Generator().manual_seed(args.seed + 5))
+    L, rows = task.gen_len, []
+    print(f"{path}: {args.group_size} rollouts of {n_prompts} held-out problems at T {args.temperature}; "
+          f"per token: log pi = the random-order log-likelihood, ELBO, gap; freq: share of "
+          f"{args.sampler_draws} draws that write it")
+    for i, (prompt, text) in enumerate(zip(batch.prompts, batch.texts)):
+        r = {"prompt": prompt, "completion": text, "reward": batch.rewards[i].item(),
+             **{name: exact[name][i].item() / L for name in exact},
+             "sampler_frequency": freq[i].item(), "sampler_frequency_se": se[i].item()}
+        rows.append(r)
+        print(f"  {prompt} -> {text!r:14} reward {r['reward']:.1f} | log pi {r['log_likelihood']:+.3f} | "
+              f"ELBO {r['elbo']:+.3f} | gap {r['gap']:.3f} | freq {r['sampler_frequency']:.3f} +- {se[i]:.3f}")
+    return rows
+
 def main(argv=None):
     p = cli.make_parser("python -m lab.negatives", __doc__.strip().split("\n")[0])
     a = p.add_argument
@@ -208,6 +232,8 @@ def main(argv=None):
       help="the small step's norm in parameter space (AdamW's first step at --rl-lr 1e-4: about 0.08)")
     a("--advantages", choices=list(ADVANTAGES), default="group", help="as lab.rl's")
     a("--objective", choices=["bgpo"], default="bgpo", help="the update measured")
+    a("--describe", default=None, metavar="CHECKPOINT",
+      help="instead: the measures of the completions this checkpoint's model writes (2 held-out problems)")
     args = p.parse_args(argv)
     for flag in ("batches", "groups", "sampler_draws"):
         if getattr(args, flag) < 1:
@@ -215,6 +241,10 @@ def main(argv=None):
     if not (math.isfinite(args.small_step) and args.small_step > 0):
         p.error(f"--small-step must be positive, got {args.small_step}")
     task, units, t0 = get_task(args.task), [], time.time()
+    if args.describe:
+        if not os.path.isfile(args.describe):
+            raise bgpo.RunError(f"--describe: no checkpoint at {args.describe}")
+        return describe(args.describe, task, cli.check_args(p, args))
     per_seed = [cli.check_args(p, argparse.Namespace(**{**vars(args), "seed": seed})) for seed in args.seeds]
     for seeded in per_seed:   # every SFT model is there before any is measured
         if not os.path.isfile(rl.sft_path(seeded)):

@@ -77,3 +77,5 @@ def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, 
         "negative", "default", "elbo")}
     assert sum(counts.values()) == 4                                       # one group of G = 4
     assert json.load(open(tmp_path / "negatives.json"))["table"] == json.loads(json.dumps(table))
+    rows = negatives.main([*argv, "--describe", str(rl.sft_path(rl.parse_args(argv))), "--sampler-draws", "20"])
+    assert len(rows) == 2 * 4 and all(r["gap"] > 0 and 0 <= r["sampler_frequency"] <= 1 for r in rows)
