@@ -218,7 +218,7 @@ def describe(path, task, args, n_prompts=2):
              "sampler_frequency": freq[i].item(), "sampler_frequency_se": se[i].item()}
         rows.append(r)
         print(f"  {prompt} -> {text!r:14} reward {r['reward']:.1f} | log pi {r['log_likelihood']:+.3f} | "
-              f"ELBO {r['elbo']:+.3f} | gap {r['gap']:.3f} | freq {r['sampler_frequency']:.3f} +- {se[i]:.3f}")
+              f"ELBO {r['elbo']:+.3f} | gap {r['gap']:.3f} | freq {freq[i]:.3f} +- {se[i]:.3f}")
     return rows
 
 def main(argv=None):
