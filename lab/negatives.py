@@ -226,7 +226,8 @@ def main(argv=None):
     a = p.add_argument
     a("--seeds", type=parse_seeds, default=parse_seeds("0-2"), help="seeds, e.g. 0-2 or 0,3")
     a("--batches", type=int, default=2, help="rollout batches per seed, drawn from its SFT model")
-    a("--groups", type=int, default=2, help="groups with a signal measured per batch (each row: 5 enumerations of its 2^L - 1 masks)")
+    a("--groups", type=int, default=2,
+      help="groups with a signal measured per batch (each row: 5 enumerations of its 2^L - 1 masks)")
     a("--sampler-draws", type=int, default=500, help="fresh samples per prompt for the sampler's frequency")
     a("--small-step", type=float, default=1e-3,
       help="the small step's norm in parameter space (AdamW's first step at --rl-lr 1e-4: about 0.08)")
