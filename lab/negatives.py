@@ -23,6 +23,7 @@ completion of the first --groups groups that carry a signal, before and after, p
     python -m lab.negatives [--seeds 0-2] [--batches 2] [--groups 2] [--sampler-draws 500] [bgpo.py's flags
                             and the lab's common ones: --temperature, --neg-weight, --rl-lr, ...]
     python -m lab.negatives --describe RUN/ckpt.pt [--seed S]   # the same measures of a model's own rollouts
+    python -m lab.negatives --track out/RUN_A_seed{seed},out/RUN_B_seed{seed} --seeds 0-4   # whole runs
 
 Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table: per seed the mean over
 its batches, then the mean over seeds with a 95% Student-t interval (the batches of a seed share its SFT
@@ -221,6 +222,40 @@ def describe(path, task, args, n_prompts=2):
               f"ELBO {r['elbo']:+.3f} | gap {r['gap']:.3f} | freq {freq[i]:.3f} +- {se[i]:.3f}")
     return rows
 
+def track(runs, task, per_seed, n_prompts=8):
+    """Where whole runs moved the SFT model's own answers: per seed, G rollouts of the first n_prompts
+    held-out problems from its SFT model, then their exact log-likelihood and ELBO per token under the SFT
+    model and under each run's last checkpoint (runs: folder patterns with {seed}). Prints, per run and for
+    the wrong and the right answers, the mean change per token over seeds with its interval; returns the
+    rows."""
+    changes = {}   # (run, "wrong" or "right", measure) -> per seed, the mean change per token
+    for args in per_seed:
+        sft = bgpo.load_model(rl.sft_path(args), task, args)
+        batch = sample_rollouts(sft, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
+                                torch.Generator().manual_seed(args.seed + 6))
+        x, y, right = batch.x.cpu(), batch.y.cpu(), batch.rewards == 1.0
+        before = exact_measures(copy.deepcopy(sft).double().cpu(), x, y)
+        for run in runs:
+            path = os.path.join(run.format(seed=args.seed), "ckpt.pt")
+            after = exact_measures(bgpo.load_model(path, task, args).double().cpu(), x, y)
+            for kind, rows in (("wrong", ~right), ("right", right)):
+                for name in ("log_likelihood", "elbo"):
+                    if rows.any():
+                        change = (after[name] - before[name])[rows].mean().item() / task.gen_len
+                        changes.setdefault((run, kind, name), []).append(change)
+        print(f"seed {args.seed}: {int(right.sum())} right and {int((~right).sum())} wrong answers of the "
+              f"SFT model, scored under {len(runs)} runs")
+    rows = []
+    print(f"\nchange per token (nats) of the SFT model's answers from the SFT model to the run's last model, "
+          f"mean over seeds [95% interval]")
+    for (run, kind, name), values in changes.items():
+        mean, half_width = interval(values)
+        rows.append({"run": run, "answers": kind, "measure": name, "mean": mean, "half_width": half_width,
+                     "seeds": len(values)})
+        low, high = mean - half_width, mean + half_width
+        print(f"  {run:<48} {kind:<6} {name:<15} {mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+    return rows
+
 def main(argv=None):
     p = cli.make_parser("python -m lab.negatives", __doc__.strip().split("\n")[0])
     a = p.add_argument
@@ -235,6 +270,8 @@ def main(argv=None):
     a("--objective", choices=["bgpo"], default="bgpo", help="the update measured")
     a("--describe", default=None, metavar="CHECKPOINT",
       help="instead: the measures of the completions this checkpoint's model writes (2 held-out problems)")
+    a("--track", default=None, metavar="RUN,RUN",
+      help="instead: the SFT model's answers under these runs' last models; folders with {seed}")
     args = p.parse_args(argv)
     for flag in ("batches", "groups", "sampler_draws"):
         if getattr(args, flag) < 1:
@@ -251,6 +288,12 @@ def main(argv=None):
         if not os.path.isfile(rl.sft_path(seeded)):
             raise bgpo.RunError(f"no SFT model at {rl.sft_path(seeded)} (python -m lab.rl --stage sft "
                                 f"--seed {seeded.seed})")
+    if args.track:
+        runs = args.track.split(",")
+        for run, seeded in itertools.product(runs, per_seed):
+            if not os.path.isfile(os.path.join(run.format(seed=seeded.seed), "ckpt.pt")):
+                raise bgpo.RunError(f"--track: no checkpoint in {run.format(seed=seeded.seed)}")
+        return track(runs, task, per_seed)
     for seeded in per_seed:
         seed, model = seeded.seed, bgpo.load_model(rl.sft_path(seeded), task, seeded)
         generator = torch.Generator().manual_seed(seed + 1)   # lab.rl's: batch 1 is its first rollout batch
