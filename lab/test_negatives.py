@@ -2,6 +2,8 @@
 halves of the update and a small step on each, and the command end to end."""
 import argparse
 import json
+import math
+import shutil
 
 import pytest
 import torch
@@ -77,5 +79,17 @@ def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, 
         "negative", "default", "elbo")}
     assert sum(counts.values()) == 4                                       # one group of G = 4
     assert json.load(open(tmp_path / "negatives.json"))["table"] == json.loads(json.dumps(table))
-    rows = negatives.main([*argv, "--describe", str(rl.sft_path(rl.parse_args(argv))), "--sampler-draws", "20"])
+    sft_path = rl.sft_path(rl.parse_args(argv))
+    rows = negatives.main([*argv, "--describe", sft_path, "--sampler-draws", "20"])
     assert len(rows) == 2 * 4 and all(r["gap"] > 0 and 0 <= r["sampler_frequency"] <= 1 for r in rows)
+    # --track: a "run" holding the SFT model's own weights moves nothing; two real RL steps move the answers
+    (tmp_path / "unchanged").mkdir()
+    shutil.copy(sft_path, tmp_path / "unchanged" / "ckpt.pt")
+    trained = [*argv, "--advantages", "w-reinforce", "--neg-weight", "1"]
+    rl.main(trained)
+    runs = f"{tmp_path / 'unchanged'},{tmp_path / rl.parse_args(trained).run_name}"
+    rows = {(r["run"].split("/")[-1], r["measure"]): r["mean"]
+            for r in negatives.main([*argv, "--seeds", "0", "--track", runs]) if r["answers"] == "wrong"}
+    assert rows[("unchanged", "elbo")] == 0 and rows[("unchanged", "log_likelihood")] == 0
+    moved = [v for (run, _), v in rows.items() if run != "unchanged"]
+    assert len(moved) == 2 and all(v != 0 and math.isfinite(v) for v in moved), rows
