@@ -222,38 +222,47 @@ def describe(path, task, args, n_prompts=2):
               f"ELBO {r['elbo']:+.3f} | gap {r['gap']:.3f} | freq {freq[i]:.3f} +- {se[i]:.3f}")
     return rows
 
-def track(runs, task, per_seed, n_prompts=8):
+def track(runs, task, per_seed, out_dir, n_prompts=8):
     """Where whole runs moved the SFT model's own answers: per seed, G rollouts of the first n_prompts
     held-out problems from its SFT model, then their exact log-likelihood and ELBO per token under the SFT
-    model and under each run's last checkpoint (runs: folder patterns with {seed}). Prints, per run and for
-    the wrong and the right answers, the mean change per token over seeds with its interval; returns the
-    rows."""
-    changes = {}   # (run, "wrong" or "right", measure) -> per seed, the mean change per token
+    model and under each run's last checkpoint (runs: folder patterns with {seed}), in float32 (the changes
+    are tenths of a nat). Prints each seed's mean change per token for the wrong and the right answers, then
+    per run the mean over seeds with its interval, and each run minus the first, paired by seed; writes
+    negatives_track.json in out_dir and returns its rows."""
+    changes = {}   # (run, "wrong" or "right", measure) -> {seed: the mean change per token}
     for args in per_seed:
-        sft = bgpo.load_model(rl.sft_path(args), task, args)
+        sft = bgpo.load_model(rl.sft_path(args), task, args).cpu()
         batch = sample_rollouts(sft, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
                                 torch.Generator().manual_seed(args.seed + 6))
-        x, y, right = batch.x.cpu(), batch.y.cpu(), batch.rewards == 1.0
-        before = exact_measures(copy.deepcopy(sft).double().cpu(), x, y)
+        x, y, right = batch.x.cpu(), batch.y.cpu(), (batch.rewards == 1.0).cpu()
+        before = exact_measures(sft, x, y)
+        line = f"seed {args.seed}: {int(right.sum())} right, {int((~right).sum())} wrong |"
         for run in runs:
             path = os.path.join(run.format(seed=args.seed), "ckpt.pt")
-            after = exact_measures(bgpo.load_model(path, task, args).double().cpu(), x, y)
+            after = exact_measures(bgpo.load_model(path, task, args).cpu(), x, y)
             for kind, rows in (("wrong", ~right), ("right", right)):
                 for name in ("log_likelihood", "elbo"):
                     if rows.any():
                         change = (after[name] - before[name])[rows].mean().item() / task.gen_len
-                        changes.setdefault((run, kind, name), []).append(change)
-        print(f"seed {args.seed}: {int(right.sum())} right and {int((~right).sum())} wrong answers of the "
-              f"SFT model, scored under {len(runs)} runs")
+                        changes.setdefault((run, kind, name), {})[args.seed] = change
+            wrong = changes[run, "wrong", "log_likelihood"][args.seed]
+            right_change = changes.get((run, "right", "log_likelihood"), {}).get(args.seed, math.nan)
+            line += f" {os.path.basename(run)}: wrong {wrong:+.3f} right {right_change:+.3f}"
+        print(line + " (log pi per token)")
     rows = []
-    print(f"\nchange per token (nats) of the SFT model's answers from the SFT model to the run's last model, "
-          f"mean over seeds [95% interval]")
-    for (run, kind, name), values in changes.items():
-        mean, half_width = interval(values)
+    print("\nchange per token (nats) of the SFT model's answers, from the SFT model to the run's last model, "
+          "mean over seeds [95% interval]; minus the first run: paired by seed")
+    for (run, kind, name), by_seed in changes.items():
+        mean, half_width = interval(list(by_seed.values()))
+        first = changes[runs[0], kind, name]
+        paired = [by_seed[seed] - first[seed] for seed in by_seed if seed in first]
+        d_mean, d_half = interval(paired) if run != runs[0] and paired else (math.nan, math.nan)
         rows.append({"run": run, "answers": kind, "measure": name, "mean": mean, "half_width": half_width,
-                     "seeds": len(values)})
-        low, high = mean - half_width, mean + half_width
-        print(f"  {run:<48} {kind:<6} {name:<15} {mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+                     "minus_first": d_mean, "minus_first_half_width": d_half, "per_seed": by_seed})
+        print(f"  {os.path.basename(run):<40} {kind:<6} {name:<15} {mean:+.3f} [{mean - half_width:+.3f}, "
+              f"{mean + half_width:+.3f}]" + (f" | minus the first {d_mean:+.3f} [{d_mean - d_half:+.3f}, "
+                                             f"{d_mean + d_half:+.3f}]" if run != runs[0] else ""))
+    cli.write_json(os.path.join(out_dir, "negatives_track.json"), {"runs": runs, "rows": rows})
     return rows
 
 def main(argv=None):
@@ -293,7 +302,7 @@ def main(argv=None):
         for run, seeded in itertools.product(runs, per_seed):
             if not os.path.isfile(os.path.join(run.format(seed=seeded.seed), "ckpt.pt")):
                 raise bgpo.RunError(f"--track: no checkpoint in {run.format(seed=seeded.seed)}")
-        return track(runs, task, per_seed)
+        return track(runs, task, per_seed, args.out_dir)
     for seeded in per_seed:
         seed, model = seeded.seed, bgpo.load_model(rl.sft_path(seeded), task, seeded)
         generator = torch.Generator().manual_seed(seed + 1)   # lab.rl's: batch 1 is its first rollout batch
