@@ -153,8 +153,7 @@ def one_unit(model, task, args, generator):
     G = args.group_size
     prompts = task.sample(args.prompts_per_step, "train", generator)[0]
     batch = sample_rollouts(model, task, prompts, G, args, generator)
-    A = ADVANTAGES[args.advantages](batch.rewards, G).to(args.device)
-    A = torch.where(A < 0, args.neg_weight * A, A)
+    A = rl.advantages(batch.rewards, args)   # lab.rl's, from the task's reward
     state = OBJECTIVES[args.objective].prepare(model, batch, args, generator)
     signal = (A.view(-1, G) != 0).any(1).nonzero()[:, 0][:args.groups]   # the first groups with a signal
     rows = (signal[:, None] * G + torch.arange(G, device=signal.device)).flatten()

@@ -189,6 +189,12 @@ def split_by_sign(objective, stats):
 # -----------------------------------------------------------------------------
 # The loop
 
+def advantages(rewards, args):
+    """--advantages of the rewards of consecutive groups of --group-size, the negative ones weighted by
+    --neg-weight: (B,), on --device."""
+    A = ADVANTAGES[args.advantages](rewards, args.group_size).to(args.device)
+    return torch.where(A < 0, args.neg_weight * A, A)
+
 def held_out_eval(model, task, args, record, pool=None):
     """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the held-out
     prompts (held_out_entropy) and the accuracy on the --rl-pool problems: adds them to a step's log record;
@@ -248,8 +254,7 @@ def run_rl(args, task, model, pool=None):
         rollout_seconds = time.time() - t0
         # 2. the verifier's rewards (batch.rewards) -> 3. advantages (Eq. 18, or d1's)
         scored = (batch.rewards == 1.0).to(batch.rewards) if args.reward == "solved" else batch.rewards
-        A = ADVANTAGES[args.advantages](scored, G).to(args.device)
-        A = torch.where(A < 0, args.neg_weight * A, A)                              # (B,)
+        A = advantages(scored, args)                                                 # (B,)
         # 4. the objective's draws, fixed for the batch (BGPO's: n_t masked copies, and old_terms off-policy)
         state = objective.prepare(model, batch, args, generator)
         # 5. the updates: --updates-per-batch passes, each one update per mini-batch of whole groups
