@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from tasks import TASKS, get_task
 from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
-                       masked_log_likelihood, sft_loss)
+                       masked_log_likelihood, measure_update, sft_loss)
 
 # -----------------------------------------------------------------------------
 # 1. The ELBO and its Monte Carlo estimate (Eq. 4-5)
@@ -469,45 +469,22 @@ def bench_memory(args, task):
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     x, y = encode(task, *task.sample(B, "train", generator), device=args.device)
     A = group_advantages(torch.rand(B, generator=generator), args.group_size).to(args.device)
-
-    def measure(update):
-        try:
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            with ActivationMemory(model) as memory:   # a pass of its own: its hooks cost Python time
-                update()
-            times = []
-            for _ in range(3):
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                update()
-                if cuda:
-                    torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it to finish
-                times.append(time.perf_counter() - t0)
-            return {"mb": memory.peak / 2**20, "s": statistics.median(times),
-                    "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
-        except torch.OutOfMemoryError:
-            return None
-        finally:
-            model.zero_grad(set_to_none=True)
-
     print(f"model {model.num_params() / 1e6:.2f}M params | {task.name}, B = {B}, L = {task.gen_len} | BGPO's "
           f"--mc-chunk {args.mc_chunk} | device {args.device} | median of 3 updates\n"
           f" n_t | naive MB  BGPO MB naive/BGPO | naive s  BGPO s BGPO/naive"
-          + (" | CUDA peak MB: naive   BGPO" if cuda else ""))
+          + (" | CUDA peak MB:    naive     BGPO" if cuda else ""))
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
-        row = {"n_t": n_t, "naive": measure(lambda: naive_loss(model, x, y, mc, None, A).backward()),
-               "bgpo": measure(lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))}
-        rows.append(row)
-        nan = dict.fromkeys(["mb", "s", "cuda_mb"], math.nan)   # the cells of an update out of memory
-        naive, bgpo = row["naive"] or nan, row["bgpo"] or nan
+        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
+        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))
+        rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
+        out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
+                                if m is None)
+        naive, bgpo = (m or dict.fromkeys(["mb", "s", "cuda_mb"], math.nan) for m in (naive, bgpo))
         print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
               f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
-              + (f" | {naive['cuda_mb']:>19.1f} {bgpo['cuda_mb']:>6.1f}" if cuda else "")
-              + "".join(f" | {name}: out of memory" for name in ("naive", "BGPO") if not row[name.lower()]))
+              + (f" | {naive['cuda_mb']:>22.1f} {bgpo['cuda_mb']:>8.1f}" if cuda else "") + out_of_memory)
     return rows
 
 # -----------------------------------------------------------------------------

@@ -456,6 +456,22 @@ def test_equivalence_bgpo_activation_memory_is_flat_and_naive_grows_with_n_t():
     assert peak[32][1] <= 1.1 * peak[1][1], "BGPO's memory should not grow with n_t"
     assert peak[32][0] >= 16 * peak[1][0], "the naive objective keeps all n_t graphs alive"
 
+def test_an_update_that_fails_mid_forward_leaves_no_saved_tensor_behind():
+    """Out of memory halfway through a forward, no backward frees the graph built so far. Under the meter's
+    hooks that graph and the meter's handles hold each other, so leaving the with block must free it: on a
+    GPU the leak made every later row of the memory table run out of memory too."""
+    model, x, y, mc, old_terms, A = on_policy_setup(8)
+    last_block = model.blocks[-1]
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    last_block.forward = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        with ActivationMemory(model) as memory:
+            naive_loss(model, x, y, mc, old_terms, A).backward()
+    assert memory.peak > 0 and memory.current == 0 and not memory.live, (memory.peak, memory.current)
+
 def test_no_nan_or_inf_for_extreme_log_ratios_in_float32():
     """In float32, training's dtype, exp(d) overflows for d > 88: where A >= 0 the bound must never take
     exp(d) (torch.where would backpropagate 0 * inf = NaN through the branch it does not use)."""

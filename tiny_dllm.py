@@ -24,6 +24,8 @@ Shapes: B batch, M Monte Carlo samples (n_t), N rows given to the network (B, or
 L completion length, P prompt length, T = P + L, V vocabulary, C embedding width.
 """
 import math
+import statistics
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -214,7 +216,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     return (completions, committed_at) if return_steps else completions
 
 # -----------------------------------------------------------------------------
-# Activation memory: the bytes autograd holds for backward, which BGPO keeps flat in n_t
+# Activation memory: the bytes autograd holds for backward, which BGPO keeps flat in n_t; one update measured
 
 class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
     """While active (a with block), counts the peak bytes of distinct tensors saved for backward,
@@ -224,6 +226,7 @@ class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, model):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.live, self.current, self.peak = {}, 0, 0   # live: storage -> [bytes, handles alive]
+        self.handles = weakref.WeakSet()
         super().__init__(self._pack, lambda h: h.t if isinstance(h, _Saved) else h)
 
     def _pack(self, t):
@@ -236,6 +239,7 @@ class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
             self.peak = max(self.peak, self.current)
         self.live[ptr][1] += 1
         handle = _Saved(t)
+        self.handles.add(handle)
         weakref.finalize(handle, self._release, ptr)
         return handle
 
@@ -248,6 +252,44 @@ class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if exc[0] is not None:
+            # A graph left without backward (an update out of memory, say) is never freed: a handle holds its
+            # tensor, whose graph holds the handle, a cycle through C++ that no collector sees. Cut it.
+            for handle in self.handles:
+                handle.t = None
+
 class _Saved:  # a handle whose garbage collection tells us autograd let go of the tensor
     def __init__(self, t):
         self.t = t
+
+def measure_update(model, update, repeats=3):
+    """update() (one update of model, backward included) measured: its activation memory in a pass of its
+    own (the hooks cost Python time), then the median seconds of `repeats` more calls and, on CUDA, the
+    allocator's peak over all of them. Returns {"mb": activation MB, "s": seconds, "cuda_mb": MB, or None
+    off CUDA}, or None if update() ran out of memory."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        with ActivationMemory(model) as memory:
+            update()
+        times = []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)  # CUDA runs asynchronously: time only this call's work
+            t0 = time.perf_counter()
+            update()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return {"mb": memory.peak / 2**20, "s": statistics.median(times),
+                "cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)

@@ -9,8 +9,6 @@ and off-policy, then the field's objectives of lab/objectives.py; with --plot, b
 import argparse
 import math
 import os
-import statistics
-import time
 
 import torch
 
@@ -21,7 +19,7 @@ from lab.figures import draw
 from lab.objectives import OBJECTIVES
 from lab.sampler import Rollouts
 from tasks import get_task
-from tiny_dllm import ActivationMemory
+from tiny_dllm import measure_update
 
 def bench_batch(task, args):
     """bgpo.bench_memory's batch (a copy): B = G x prompts demonstrations with random rewards, which never
@@ -36,27 +34,11 @@ def bench_batch(task, args):
     A = group_advantages(rewards, args.group_size).to(args.device)
     return Rollouts(prompts, x, y, commit, answers, rewards), A, generator
 
-def measure_update(model, optimizer, backward, args):
-    """backward() measured as bgpo.bench_memory measures an update (a copy): its activation memory in one
-    pass, then timed with an optimizer step after it and the CUDA allocator's peak besides, --bench-repeats
-    times: (peak activation MB, median seconds, CUDA MB or nan)."""
-    cuda, times = args.device.startswith("cuda"), []
-    with ActivationMemory(model) as memory:   # a pass of its own: the hooks' Python cost stays off the clock
-        optimizer.zero_grad(set_to_none=True)
-        backward()
-    for _ in range(args.bench_repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        backward()
-        optimizer.step()
-        if cuda:
-            torch.cuda.synchronize()  # CUDA runs asynchronously: wait for it before reading the clock
-        times.append(time.perf_counter() - t0)
-    cuda_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else math.nan
-    return memory.peak / 2**20, statistics.median(times), cuda_mb
+def measured(model, optimizer, backward, args):
+    """backward() then an optimizer step, measured as bgpo.bench_memory measures an update (measure_update),
+    --bench-repeats times: (peak activation MB, median seconds, CUDA MB or nan)."""
+    m = measure_update(model, lambda: (backward(), optimizer.step()), args.bench_repeats)
+    return m["mb"], m["s"], math.nan if m["cuda_mb"] is None else m["cuda_mb"]
 
 def memory_figure(rows):
     """The paper's Fig. 1 in small: bgpo.bench_memory's rows ({"n_t", "naive", "bgpo"}, each objective's
@@ -93,8 +75,7 @@ def two_pass_table(args, task):
             row = {"policy": policy, "n_t": n_t}
             for objective in names:
                 backward = lambda: OBJECTIVES[objective].backward(model, batch, state, A, settings, 0)
-                row[f"{objective}_mb"], row[f"{objective}_s"], _ = measure_update(model, optimizer, backward,
-                                                                                   args)
+                row[f"{objective}_mb"], row[f"{objective}_s"], _ = measured(model, optimizer, backward, args)
             rows.append(row)
             print(f"{n_t:>4} | " + " ".join(f"{row[o + '_mb']:>11.1f}" for o in names) + " | "
                   + " ".join(f"{row[o + '_s']:>10.3f}" for o in names)
@@ -113,7 +94,7 @@ def every_objective_table(args, task):
                                          "mc_samples": n})
         state = OBJECTIVES[objective].prepare(model, batch, settings, generator)
         backward = lambda: OBJECTIVES[objective].backward(model, batch, state, A, settings, 0)
-        return measure_update(model, optimizer, backward, args)
+        return measured(model, optimizer, backward, args)
 
     print("\nEvery objective, one update on the same batch: which grow with their sample count")
     print(f"{'objective':>14} | {'samples':>22} | {'act MB':>8} | {'s':>7}"
