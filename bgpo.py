@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tasks import TASKS, get_task
+from tasks import TASKS, encode, get_task
 from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
                        masked_log_likelihood, measure_update, sft_loss)
 
@@ -201,17 +200,9 @@ def average_gradients(model, args, *stats):
         p.grad = grad.view_as(p)
     return stats.tolist()
 
-def encode(task, prompts, answers=None, device="cpu"):
-    """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions: the answer, then EOS tokens
-    up to L (an answer of L characters, as every 4x4 Sudoku's, has none)."""
-    x = task.tokenizer.encode_batch(prompts, task.prompt_len, "left").to(device)
-    if answers is None:
-        return x
-    return x, task.tokenizer.encode_batch(answers, task.gen_len, "right").to(device)
-
-def make_model(task, args):
+def make_model(task, args):   # a model of the flags' size for the task, on --device
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
-                                task.prompt_len + task.gen_len, task.tokenizer.mask_id))
+                                task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
@@ -232,13 +223,15 @@ def evaluate(model, task, prompts, args, n_show=3):
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}
 
-def save_checkpoint(path, **state):
-    """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
+def save_checkpoint(path, task, config, **state):
+    """state with what load_checkpoint checks: the task, its tokenizer's vocabulary and the model config.
+    Written to a temporary file, then renamed: an interrupted save never leaves a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(state, path + ".tmp")
+    torch.save(dict(task=task.name, vocab=task.tokenizer.itos, config=asdict(config), **state), path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def write_text(path, text):   # as save_checkpoint does
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -259,7 +252,7 @@ def load_checkpoint(path, task, config=None):
 def load_model(path, task, args):
     model = make_model(task, args)
     model.load_state_dict(load_checkpoint(path, task, model.config)["model"])
-    return model.to(args.device)
+    return model
 
 def processes(args):   # under torchrun, other random draws: the runs' files get names of their own
     return f"_{args.world}processes" if args.world > 1 else ""
@@ -291,7 +284,7 @@ def run_sft(args, task):
     verifier scores greedy answers to validation problems; the best model is kept, and SFT stops after
     SFT_PATIENCE evaluations without progress: more SFT on a few hundred demonstrations memorises them."""
     torch.manual_seed(args.seed)  # the initial weights: the same on every process
-    model = make_model(task, args).to(args.device)
+    model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
           + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
@@ -322,8 +315,8 @@ def run_sft(args, task):
         if improved:
             best, best_weights = curve[-1], {k: v.clone() for k, v in model.state_dict().items()}
         if args.rank == 0:  # the best model so far and the whole curve: an interrupted SFT keeps them
-            save_checkpoint(sft_path(args), stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=best["step"], model=best_weights, curve=curve)
+            save_checkpoint(sft_path(args), task, model.config, stage="sft", step=best["step"],
+                            model=best_weights, curve=curve)
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
                    f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
                    f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
@@ -376,7 +369,6 @@ def run_rl(args, task, model):
         start, records = 1, [{"step": 0}]
         print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
-        os.makedirs(run_dir, exist_ok=True)
         write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
         if not args.resume:
             write_text(os.path.join(run_dir, "run.json"), json.dumps(describe_run(args), indent=1))
@@ -426,7 +418,7 @@ def run_rl(args, task, model):
                              "reward_std": rewards.std().item(),
                              "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
                              "solved": (rewards == 1.0).double().mean().item(),
-                             "loss": statistics.fmean(losses) if losses else 0.0,
+                             "loss": sum(losses) / len(losses) if losses else 0.0,
                              "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0})
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
@@ -440,9 +432,8 @@ def run_rl(args, task, model):
             with open(log_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
             if evaluation:
-                save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
-                                config=asdict(model.config), step=step, model=model.state_dict(),
-                                optimizer=optimizer.state_dict(), rng=rngs)
+                save_checkpoint(ckpt_path, task, model.config, stage="rl", step=step,
+                                model=model.state_dict(), optimizer=optimizer.state_dict(), rng=rngs)
     return [r for r in records if "accuracy" in r]
 
 def show_unmasking(model, task, prompt, args):
@@ -460,12 +451,11 @@ def show_unmasking(model, task, prompt, args):
 
 def bench_memory(args, task):
     """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
-    and time depend on the shapes, not the values), by each objective at n_t = 1..64. Returns the rows,
-    {"n_t": n_t, "naive": measured, "bgpo": measured}; measured is {"mb": the peak activation MB, "s": the
-    median seconds of 3 more updates, "cuda_mb": the CUDA allocator's peak MB (None on the CPU)}, or None
-    for an update that ran out of memory: its row says so, and the table goes on."""
+    and time depend on the shapes, not the values), by each objective at n_t = 1..64. Returns the rows
+    {"n_t", "naive", "bgpo"}: each objective's measure_update, None where it ran out of memory (its row says
+    so, and the table goes on)."""
     torch.manual_seed(args.seed)
-    model, cuda = make_model(task, args).to(args.device), args.device.startswith("cuda")
+    model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
     x, y = encode(task, *task.sample(B, "train", generator), device=args.device)
     A = group_advantages(torch.rand(B, generator=generator), args.group_size).to(args.device)
@@ -497,40 +487,36 @@ class ArgumentParser(argparse.ArgumentParser):
 def make_parser():
     p = ArgumentParser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked diffusion LM.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    # what to run
-    a("--task", choices=TASKS, default="countdown", help="the task")
-    a("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from SFT's checkpoint), both")
-    a("--seed", type=int, default=0, help="seed for weights, data and sampling")
-    a("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    a("--out-dir", default="out", help="where checkpoints and logs go")
-    a("--run-name", default=None, help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS"
-      "[_Nprocesses])")
-    a("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
-    a("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
-    a("--bench-memory", action="store_true", help="print the naive vs BGPO memory and time table, then exit")
-    a("--prompt", default=None, help='the latest model of the run answers this problem, e.g. "15,4,1:64"')
-    # the model
-    a("--n-layer", type=int, default=3, help="transformer blocks")
-    a("--n-head", type=int, default=4, help="attention heads")
-    a("--n-embd", type=int, default=128, help="embedding width")
-    # SFT
-    a("--demos", type=int, default=None,
-      help=f"training problems with answers that SFT learns from; 0: fresh ones every step; None: {DEMOS}")
-    a("--sft-steps", type=int, default=2000, help="most SFT steps; the cosine schedule spans them")
-    a("--sft-eval-every", type=int, default=50, help="SFT steps between validation scores")
-    a("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
-    # RL
-    a("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
-    a("--mc-samples", type=int, default=8, help="MC samples n_t per completion")
-    a("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO")
-    a("--minibatches", type=int, default=1,
-      help="updates per rollout batch, each on the next K-th of its groups; 2: the paper's off-policy scheme")
-    a("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each (more on --resume: longer)")
-    a("--prompts-per-step", type=int, default=16, help="prompts per RL step")
-    a("--group-size", type=int, default=8, help="completions per prompt, G")
-    a("--eval-every", type=int, default=25, help="RL steps between held-out evaluations and checkpoints")
-    a("--eval-size", type=int, default=500, help="held-out problems")
+    run, model, sft, rl = (p.add_argument_group(title).add_argument   # --help lists them in groups
+                           for title in ("what to run", "the model", "SFT", "RL"))
+    run("--task", choices=TASKS, default="countdown", help="the task")
+    run("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from SFT's checkpoint), both")
+    run("--seed", type=int, default=0, help="seed for weights, data and sampling")
+    run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    run("--out-dir", default="out", help="where checkpoints and logs go")
+    run("--run-name", help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS[_Nprocesses])")
+    run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
+    run("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
+    run("--bench-memory", action="store_true", help="the naive vs BGPO memory and time table, then exit")
+    run("--prompt", default=None, help='the latest model of the run answers this problem, e.g. "15,4,1:64"')
+    model("--n-layer", type=int, default=3, help="transformer blocks")
+    model("--n-head", type=int, default=4, help="attention heads")
+    model("--n-embd", type=int, default=128, help="embedding width")
+    sft("--demos", type=int, default=None,
+        help=f"SFT's training problems with answers; 0: fresh ones every step; None: {DEMOS}")
+    sft("--sft-steps", type=int, default=2000, help="most SFT steps; the cosine schedule spans them")
+    sft("--sft-eval-every", type=int, default=50, help="SFT steps between validation scores")
+    sft("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
+    rl("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
+    rl("--mc-samples", type=int, default=8, help="MC samples n_t per completion")
+    rl("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO")
+    rl("--minibatches", type=int, default=1,
+       help="updates per rollout batch, each on the next 1/K of its groups; 2: the paper's off-policy one")
+    rl("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each; more on --resume: longer")
+    rl("--prompts-per-step", type=int, default=16, help="prompts per RL step")
+    rl("--group-size", type=int, default=8, help="completions per prompt, G")
+    rl("--eval-every", type=int, default=25, help="RL steps between held-out evaluations and checkpoints")
+    rl("--eval-size", type=int, default=500, help="held-out problems")
     return p
 
 def check_args(p, args):
@@ -600,9 +586,12 @@ NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", 
 
 def refuse_to_overwrite(args):
     """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
-    a larger --rl-steps makes it longer) or replaced (--overwrite), never silently reused."""
+    a larger --rl-steps makes it longer) or replaced (--overwrite: its checkpoint goes now, never to be
+    resumed with the new log), never silently reused."""
     run_dir = os.path.join(args.out_dir, args.run_name)
-    record = os.path.join(run_dir, "run.json")
+    record, ckpt = os.path.join(run_dir, "run.json"), os.path.join(run_dir, "ckpt.pt")
+    if args.overwrite and args.stage != "sft" and args.rank == 0 and os.path.isfile(ckpt):
+        os.remove(ckpt)
     if args.stage == "sft" or args.overwrite or not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         return
     made = json.load(open(record))["flags"] if os.path.isfile(record) else {}
@@ -612,9 +601,8 @@ def refuse_to_overwrite(args):
               if name in made and made[name] != getattr(args, name)]
     if args.resume and not differ:
         return
-    resumable = os.path.isfile(os.path.join(run_dir, "ckpt.pt"))
     raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
-                   + ("--resume with its flags continues it, " if resumable else "")
+                   + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")
                    + "another --run-name starts a new one, --overwrite replaces it")
 
 def main(argv=None):
@@ -638,11 +626,7 @@ def main(argv=None):
     print(f"task {task.name} | device {args.device} | seed {args.seed}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
     refuse_to_overwrite(args)
-    old_ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-    if args.overwrite and args.stage != "sft" and args.rank == 0 and os.path.isfile(old_ckpt):
-        os.remove(old_ckpt)   # the replaced run's: never to be resumed with the new log
-    # the model to train: --resume loads the RL checkpoint's weights into it (run_rl)
-    model = make_model(task, args).to(args.device) if args.resume else sft_model(args, task)
+    model = make_model(task, args) if args.resume else sft_model(args, task)  # --resume: run_rl loads weights
     if args.stage == "sft":
         return model
     history = run_rl(args, task, model)   # the records with a held-out evaluation: step 0 is the SFT model
@@ -659,9 +643,8 @@ if __name__ == "__main__":
         print(f"bgpo.py: error: {e}", file=sys.stderr)
         code = 2
     if dist.is_initialized():
-        # Leave together: rank 0 may still be writing its files while the others are done. A process that
-        # tears down its connections while another still uses them can abort it (gloo: "terminate called").
-        # Any other exception skips this and exits non-zero at once; torchrun then stops the others.
+        # Leave together: a process that tears down its connections while rank 0 still writes its files
+        # can abort it (gloo: "terminate called"). Another exception exits non-zero; torchrun stops the rest.
         dist.barrier()
         dist.destroy_process_group()
     sys.exit(code)

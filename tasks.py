@@ -382,3 +382,11 @@ def get_task(name):
     if name not in TASKS:
         raise ValueError(f"name: unknown task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name]()
+
+def encode(task, prompts, answers=None, device="cpu"):
+    """Prompt strings -> (N, P) tokens; answers, if given, -> (N, L) completions: the answer, then EOS tokens
+    up to L (an answer of L characters, as every 4x4 Sudoku's, has none)."""
+    x = task.tokenizer.encode_batch(prompts, task.prompt_len, "left").to(device)
+    if answers is None:
+        return x
+    return x, task.tokenizer.encode_batch(answers, task.gen_len, "right").to(device)

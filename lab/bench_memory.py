@@ -60,7 +60,7 @@ def two_pass_table(args, task):
     On-policy the two-pass update skips its first pass; off-policy (the update of a second mini-batch,
     with the rollout policy's terms computed beforehand, as bgpo.run_rl does) it runs it."""
     torch.manual_seed(args.seed)
-    model = make_model(task, args).to(args.device)
+    model = make_model(task, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     (batch, A, generator), rows = bench_batch(task, args), []
     names = {"naive": "naive", "bgpo": "BGPO", "naive-two-pass": "two-pass"}
@@ -85,7 +85,7 @@ def two_pass_table(args, task):
 def every_objective_table(args, task):
     """One update of every objective on bench_batch's batch, at its sample counts."""
     torch.manual_seed(args.seed)
-    model = make_model(task, args).to(args.device)
+    model = make_model(task, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     (batch, A, generator), cuda = bench_batch(task, args), args.device.startswith("cuda")
 

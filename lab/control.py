@@ -15,7 +15,6 @@ model where validation stopped improving, and more SFT memorises them. Rejection
 import json
 import os
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -67,8 +66,7 @@ def run_control(args, task):
     with open(os.path.join(out, "log.jsonl.tmp"), "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in curve)
     os.replace(os.path.join(out, "log.jsonl.tmp"), os.path.join(out, "log.jsonl"))
-    bgpo.save_checkpoint(os.path.join(out, "ckpt.pt"), stage="sft-continued", task=task.name,
-                         vocab=task.tokenizer.itos, config=asdict(model.config), step=step,
+    bgpo.save_checkpoint(os.path.join(out, "ckpt.pt"), task, model.config, stage="sft-continued", step=step,
                          model=model.state_dict())
     rl = [r for r in records if "accuracy" in r]
     for name, accuracy in (("SFT model", curve[0]["accuracy"]),

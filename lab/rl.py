@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -304,8 +303,7 @@ def run_rl(args, task, model, pool=None):
         with open(log_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line
-            save_checkpoint(ckpt_path, stage="rl", task=task.name, vocab=task.tokenizer.itos,
-                            config=asdict(model.config), step=step, model=model.state_dict(),
+            save_checkpoint(ckpt_path, task, model.config, stage="rl", step=step, model=model.state_dict(),
                             optimizer=optimizer.state_dict(), rng=[generator.get_state()])
             saved = step
     return [r for r in records if "accuracy" in r]
@@ -384,7 +382,7 @@ def sft_model(args, task):
         print(f"loading the SFT model {path}")
         return bgpo.load_model(path, task, args)
     torch.manual_seed(args.seed)
-    model = bgpo.make_model(task, args).to(args.device)
+    model = bgpo.make_model(task, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.SFT_LR, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed)
     batches = bgpo.sft_batches(task, args, generator)
@@ -392,8 +390,7 @@ def sft_model(args, task):
         sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
     result = evaluate(model, task, held_out(task, args), args, n_show=0)
     curve = [{"step": args.sft_stop, "accuracy": result["accuracy"], "reward": result["reward"]}]
-    bgpo.save_checkpoint(path, stage="sft", task=task.name, vocab=task.tokenizer.itos,
-                         config=asdict(model.config), step=args.sft_stop, model=model.state_dict(),
+    bgpo.save_checkpoint(path, task, model.config, stage="sft", step=args.sft_stop, model=model.state_dict(),
                          curve=curve)
     print(f"SFT stopped at step {args.sft_stop} (--sft-stop): held-out accuracy {result['accuracy']:.1%} "
           f"({path})")
