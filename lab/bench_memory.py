@@ -16,7 +16,7 @@ import bgpo
 from bgpo import encode, group_advantages, make_model
 from lab import cli
 from lab.figures import draw
-from lab.objectives import OBJECTIVES
+from lab.objectives import OBJECTIVES, SPG_BETA, SPG_MIX
 from lab.sampler import Rollouts
 from tasks import get_task
 from tiny_dllm import measure_update
@@ -104,6 +104,7 @@ def every_objective_table(args, task):
                                     ("naive", "n_t masked copies", (1, 16)),
                                     ("naive-two-pass", "n_t masked copies", (1, 16)),
                                     ("stp", "num_t masked copies", (1, 3, 16)),
+                                    ("spg", "n_t masked copies", (1, 16)),
                                     ("diffu-grpo", "1 prompt mask", (1,)),
                                     ("dtrpo", "1 step per block", (1,)),
                                     ("trajectory", f"all {task.gen_len} steps", (1,))):
@@ -123,6 +124,7 @@ def parse_args(argv=None):
     args = cli.check_args(p, p.parse_args(argv))
     # the lab objectives' options off
     args.anchors, args.remasking, args.stp_tau = False, "low_confidence", None
+    args.spg_beta, args.spg_mix = SPG_BETA, SPG_MIX
     return args
 
 def main(argv=None):

@@ -309,6 +309,22 @@ def random_order_from_table(masks, logp):
     return f[-1], h[-1]
 
 
+def spg_upper_bound(model, prompt, completion, beta):
+    """SPG's upper bound (lab.objectives.spg_eubo, summed over the positions) in expectation over its
+    copies, exactly: spg_bound_from_table on log_probs_under_every_mask. Differentiable."""
+    return spg_bound_from_table(*log_probs_under_every_mask(model, prompt, completion), beta)
+
+
+def spg_bound_from_table(masks, logp, beta):
+    """(1/beta) sum_i log E_S[w 1[i in S] p(y^i | y with S masked, x)^beta], S one count-form copy (k ~
+    U{1..L}, a uniform k-subset, weight w = L/k): P(S) w = 1 / (k C(L, k)), a distribution over the sets
+    that hold i, the same as the set still masked when a uniformly random order writes y^i."""
+    L, k = masks.shape[1], masks.sum(1)
+    n_sets = torch.tensor([math.comb(L, int(j)) for j in k], dtype=logp.dtype, device=logp.device)
+    log_terms = (beta * logp - (k * n_sets).log()[:, None]).masked_fill(~masks, float("-inf"))
+    return log_terms.logsumexp(0).sum() / beta
+
+
 # -----------------------------------------------------------------------------
 # 3. Exact moments: every estimator's mean and variance by enumeration of its randomness
 #

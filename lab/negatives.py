@@ -27,7 +27,8 @@ completion of the first --groups groups that carry a signal, before and after, p
 
 Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table: per seed the mean over
 its batches, then the mean over seeds with a 95% Student-t interval (the batches of a seed share its SFT
-model, so the seeds are the independent units); writes it to negatives.json in --out-dir.
+model, so the seeds are the independent units); writes it to negatives.json (--objective spg:
+negatives_spg.json) in --out-dir.
 """
 import argparse
 import copy
@@ -40,27 +41,28 @@ import torch
 
 import bgpo
 from lab import cli, rl
-from lab.estimators import exact_table, random_order_from_table
-from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of
+from lab.estimators import exact_table, random_order_from_table, spg_bound_from_table
+from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of
 from lab.sampler import generate, sample_rollouts
 from lab.sweep import interval, parse_seeds
 from tasks import get_task
 
 HALVES = {"negative": lambda A: A < 0, "positive": lambda A: A > 0}
-MEASURES = ("log_likelihood", "elbo", "gap", "sampler_frequency")
+MEASURES = ("log_likelihood", "elbo", "gap", "spg_bound", "sampler_frequency")
 
 # -----------------------------------------------------------------------------
 # The three measures of a completion's likelihood
 
-def exact_measures(model, prompts, completions):
+def exact_measures(model, prompts, completions, beta=SPG_BETA):
     """Per row, exactly, in nats, from one enumeration of its 2^L mask sets (float64 model advised: the small
     step's changes are ~1e-5 nats): {"log_likelihood": log E_sigma p_sigma(y|x), "elbo": E_sigma log
-    p_sigma(y|x), "gap": their difference}, each (B,)."""
+    p_sigma(y|x), "gap": their difference, "spg_bound": SPG's upper bound at beta in expectation over its
+    copies}, each (B,)."""
     # exact_table's masks and float64 log-probabilities; its other two tables are not needed here
-    elbo, log_likelihood = zip(*(random_order_from_table(*exact_table(model, x, y)[:2])
-                                 for x, y in zip(prompts, completions)))
-    elbo, log_likelihood = torch.stack(elbo), torch.stack(log_likelihood)
-    return {"log_likelihood": log_likelihood, "elbo": elbo, "gap": log_likelihood - elbo}
+    tables = [exact_table(model, x, y)[:2] for x, y in zip(prompts, completions)]
+    elbo, log_likelihood = (torch.stack(v) for v in zip(*(random_order_from_table(*t) for t in tables)))
+    return {"log_likelihood": log_likelihood, "elbo": elbo, "gap": log_likelihood - elbo,
+            "spg_bound": torch.stack([spg_bound_from_table(*t, beta) for t in tables])}
 
 @torch.no_grad()
 def sampler_frequency(model, prompts, completions, group_size, draws, args, generator, per_call=500):
@@ -275,12 +277,14 @@ def main(argv=None):
     a("--small-step", type=float, default=1e-3,
       help="the small step's norm in parameter space (AdamW's first step at --rl-lr 1e-4: about 0.08)")
     a("--advantages", choices=list(ADVANTAGES), default="group", help="as lab.rl's")
-    a("--objective", choices=["bgpo"], default="bgpo", help="the update measured")
+    a("--objective", choices=["bgpo", "spg"], default="bgpo",
+      help=f"the update measured: BGPO's, or SPG's (beta {SPG_BETA}, mix {SPG_MIX})")
     a("--describe", default=None, metavar="CHECKPOINT",
       help="instead: the measures of the completions this checkpoint's model writes (2 held-out problems)")
     a("--track", default=None, metavar="RUN,RUN",
       help="instead: the SFT model's answers under these runs' last models; folders with {seed}")
     args = p.parse_args(argv)
+    args.spg_beta, args.spg_mix = SPG_BETA, SPG_MIX
     for flag in ("batches", "groups", "sampler_draws"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -318,6 +322,12 @@ def main(argv=None):
     if not units:
         raise bgpo.RunError("no rollout batch had a group with a signal: nothing to measure")
     table = summarise(units, task.gen_len)
+    before = [u["before"] for u in units]
+    margin = torch.cat([b["spg_bound"] - b["log_likelihood"] for b in before]) / task.gen_len
+    print(f"\nbefore the update, SPG's bound (beta {SPG_BETA}, exact, in expectation over its copies) is "
+          f"below log pi for {int((margin < 0).sum())} of {len(margin)} completions; margin per token: "
+          f"min {margin.min().item():+.3f}, median {margin.median().item():+.3f}, "
+          f"max {margin.max().item():+.3f}")
     print(f"\nchange per token (nats) of the completions' likelihood after one step on one half of the "
           f"update: per seed the mean over its batches, then the mean over {len(args.seeds)} seeds [95% "
           f"interval]; the shares of the rows, pooled, whose value fell and rose\nsampler: change of the "
@@ -328,10 +338,11 @@ def main(argv=None):
         value = f"{r['mean']:+.2e} [{r['mean'] - r['half_width']:+.1e}, {r['mean'] + r['half_width']:+.1e}]"
         print(f"{r['update']:<10}{r['step']:<9}{r['rows']:<10}{r['measure']:<18}{value:>24}"
               f"{r['share_fell']:>6.2f}{r['share_rose']:>6.2f}")
-    cli.write_json(os.path.join(args.out_dir, "negatives.json"),
+    name = "negatives.json" if args.objective == "bgpo" else f"negatives_{args.objective}.json"
+    cli.write_json(os.path.join(args.out_dir, name),
                    {"seeds": args.seeds, "batches": args.batches, "groups": args.groups,
                     "sampler_draws": args.sampler_draws, "rl_lr": args.rl_lr, "small_step": args.small_step,
-                    "table": table})
+                    "objective": args.objective, "spg_margin_per_token": margin.tolist(), "table": table})
     return table
 
 if __name__ == "__main__":

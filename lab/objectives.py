@@ -1,8 +1,9 @@
 """
 The field's RL objectives for dLLMs, as Objective values that the lab's RL loop (lab/rl.py) runs:
 BGPO and the naive objective (bgpo.py's functions), the naive objective's exact gradient in two passes
-and each of BGPO's lemmas alone (what the bound buys, off-policy), d1's diffu-GRPO, STP, dTRPO, and the
-control, REINFORCE on the sampler's own trajectory. Run them with python -m lab.rl --objective NAME.
+and each of BGPO's lemmas alone (what the bound buys, off-policy), d1's diffu-GRPO, STP, dTRPO, SPG (an
+upper bound where A < 0), and the control, REINFORCE on the sampler's own trajectory. Run them with
+python -m lab.rl --objective NAME.
 
 Each method fixes its randomness once per rollout batch (the Objective's prepare), one draw per
 inner update (a prompt mask, n masked copies, one step per block), and computes the rollout
@@ -11,6 +12,7 @@ on draw j, as d1 does with its mask seeds. On-policy every loss has the gradient
 -mean_b A_b X_b / L, with X the method's estimate of log pi(y_b | x): BGPO's, with the ELBO in place
 of X. Each loss's docstring lists where it departs from its paper; none has a KL term.
 """
+import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -173,6 +175,53 @@ def bound_backward(model, prompts, completions, mc, old_terms, advantages, bound
     return total
 
 # -----------------------------------------------------------------------------
+# SPG (Wang et al., arXiv 2510.09541): an upper bound of log pi where A < 0
+
+SPG_BETA, SPG_MIX = 2.0, 0.5   # the public code's beta for Countdown, and its mixture weight omega
+
+def copy_token_log_probs(model, prompts, completions, mc):
+    """log p(y^i | y with S_j masked, x) of every position of every copy j: (B, M, L), one graph."""
+    check_shapes(prompts, completions, mc)
+    (B, M, L) = mc.mask.shape
+    x, y = prompts.repeat_interleave(M, 0), completions.repeat_interleave(M, 0)
+    return token_log_probs(model, x, y, mc.mask.reshape(B * M, L).to(y.device)).view(B, M, L)
+
+def spg_eubo(logp, mc, beta=SPG_BETA):
+    """SPG's evidence upper bound per token, in its public code's form: for each position i,
+        a_i = (1/M) sum_j w_j 1[i in S_j] p(y^i | y with S_j masked, x)^beta,
+    and (1/beta) log a_i averaged over the positions masked in some copy: (B,). logp (B, M, L) from
+    copy_token_log_probs. Why a bound: in a random order sigma, token i is written given c_i(sigma) =
+    p(y^i | the tokens before it), and pi(y) = E_sigma[prod_i c_i]. The weighted copies make a_i unbiased
+    for E_sigma[c_i^beta], and Hölder's inequality gives E[prod_i c_i] <= prod_i E[c_i^L]^(1/L), with
+    E[c^beta]^(1/beta) growing in beta: so (1/beta) sum_i log E_sigma[c_i^beta] >= log pi(y) for beta >= L.
+    For beta < L (the code's 2.0 on Countdown) nothing guarantees it, and the log of an M-copy mean falls
+    below the log of its expectation (Jensen). The lab's tests enumerate both."""
+    w = mc.weight.to(logp).log()[:, :, None]                                           # (B, M, 1)
+    log_terms = (beta * logp + w).masked_fill(~mc.mask, -math.inf)                     # log(w p^beta)
+    seen = mc.mask.any(1)                                                              # (B, L)
+    # a position masked in no copy: 0 in place of a column of -inf (whose logsumexp has a NaN gradient)
+    log_a = log_terms.masked_fill(~seen[:, None], 0.0).logsumexp(1) - math.log(logp.shape[1])
+    return (log_a * seen).sum(1) / seen.sum(1).clamp(min=1) / beta
+
+def spg_loss(model, prompts, completions, mc, advantages, beta=SPG_BETA, mix=SPG_MIX):
+    """SPG's on-policy loss, -mean_b A_b X_b, in one graph over the M copies (the log of a mean over copies
+    is not a sum of per-copy terms: memory grows with M, as the naive objective's):
+        X_b = ELBO_b / L                                   where A_b > 0,
+        X_b = mix EUBO_b + (1 - mix) ELBO_b / L            where A_b < 0 (mix = 1: the upper bound alone),
+    with ELBO_b the mean of elbo_terms over the copies and EUBO_b spg_eubo. With mix = 0 it is BGPO's
+    on-policy update. Departures from SPG: 1. the ELBO is elbo_terms' 1/t-weighted estimate (its code:
+    the mean of the masked tokens' log-probabilities, unweighted). 2. Our stratified copies (its code:
+    num_t = 2 block masks, and 15% of the visible tokens masked too). 3. The lab's advantages (its code:
+    r - mean, no std). 4. One update per rollout batch, no ratio, no clip (its code: REINFORCE, mu
+    updates)."""
+    check_shapes(prompts, completions, mc, None, advantages)
+    logp = copy_token_log_probs(model, prompts, completions, mc)                      # (B, M, L)
+    elbo = (mc.weight.to(logp) * (logp * mc.mask).sum(2)).mean(1) / completions.shape[1]   # (B,)
+    A = advantages.to(logp)
+    X = torch.where(A > 0, elbo, mix * spg_eubo(logp, mc, beta) + (1 - mix) * elbo)
+    return -(A * X).mean()
+
+# -----------------------------------------------------------------------------
 # The objectives: what each fixes once per rollout batch, and its inner update j
 
 @dataclass
@@ -287,6 +336,12 @@ def dtrpo_update(model, batch, state, A, args, inner):
     loss.backward()
     return loss.item()
 
+def spg_update(model, batch, state, A, args, inner=0):
+    batch, state, A = informative(batch, state, A)
+    loss = spg_loss(model, batch.x, batch.y, state["mc"], A, args.spg_beta, args.spg_mix)
+    loss.backward()
+    return loss.item()
+
 def no_draws(model, batch, args, generator):
     return None                                       # the trajectory control reads the rollouts' own steps
 
@@ -299,7 +354,7 @@ OBJECTIVES = {"bgpo": Objective(elbo_draws, bgpo_update), "naive": Objective(elb
               "lemma2-only": Objective(elbo_draws, bound_update(lemma2_bound)),
               "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
               "stp": Objective(stp_draws, stp_update), "dtrpo": Objective(dtrpo_draws, dtrpo_update),
-              "trajectory": Objective(no_draws, trajectory_update)}
+              "spg": Objective(elbo_draws, spg_update), "trajectory": Objective(no_draws, trajectory_update)}
 
 def d1_advantages(rewards, group_size):
     """d1's advantage: the reward minus its group's mean, not divided by the group's std."""

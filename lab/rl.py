@@ -4,7 +4,7 @@ sampler and options, and its diagnostics:
 
     python -m lab.rl --objective NAME [any bgpo.py flag] [lab flags]
 
-NAME: bgpo, naive, naive-two-pass, lemma1-only, lemma2-only, diffu-grpo, stp, dtrpo or trajectory.
+NAME: bgpo, naive, naive-two-pass, lemma1-only, lemma2-only, diffu-grpo, stp, dtrpo, spg or trajectory.
 
 run_rl below copies bgpo.run_rl: the same five steps in the same order, the same log.jsonl, held-out
 evaluations, checkpoints (at every --eval-every) and resume. SFT is bgpo.py's (bgpo.sft_model). With
@@ -46,13 +46,13 @@ import bgpo
 from bgpo import RunError, held_out, load_checkpoint, save_checkpoint
 from lab import cli
 from lab.figures import curves_figure, draw, read_log
-from lab.objectives import ADVANTAGES, OBJECTIVES, flat_grad, rows_of, sampler_options
+from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, get_task, parse_expression
 from tiny_dllm import ActivationMemory, sft_loss
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
-ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only")  # n_t masked copies of the ELBO
+ELBO = ("bgpo", "naive", "naive-two-pass", "lemma1-only", "lemma2-only", "spg")  # n_t masked copies
 MC_SAMPLES = bgpo.make_parser().get_default("mc_samples")                  # bgpo.py's n_t
 PASS_SAMPLES, PASS_K = 32, (1, 2, 4, 8, 16, 32)   # samples per problem for pass@k, and the k reported
 
@@ -73,6 +73,11 @@ def make_parser():
       help="STP's early stop: fill the rest in one pass once this fraction of tokens is in place "
            "(None: 0.75 with --objective stp)")
     a("--no-anchors", action="store_true", help="STP without its spatial pruning (anchors), for the ablation")
+    a("--spg-beta", type=float, default=None,
+      help=f"SPG's beta, the upper bound's exponent (None: {SPG_BETA}, its public code's for Countdown)")
+    a("--spg-mix", type=float, default=None,
+      help=f"SPG's weight omega of the upper bound where A < 0, the ELBO's 1 - omega (None: {SPG_MIX}); "
+           "1: the upper bound alone")
     a("--advantages", choices=list(ADVANTAGES), default="group",
       help="group: Eq. 18's z-score; no-std: the reward minus the group mean (d1's); rft: 1 for a solved "
            "rollout, 0 otherwise (rejection-sampling fine-tuning); w-reinforce: +0.1 for a solved "
@@ -104,11 +109,17 @@ def parse_args(argv=None):
     settings = cli.settings_hash(p, argparse.Namespace(**{k: v for k, v in vars(args).items()
                                                            if k not in cli.NOT_RESULTS}))
     for flag, given, objective in (("--stp-tau", args.stp_tau is not None, "stp"),
-                                   ("--no-anchors", args.no_anchors, "stp")):
+                                   ("--no-anchors", args.no_anchors, "stp"),
+                                   ("--spg-beta", args.spg_beta is not None, "spg"),
+                                   ("--spg-mix", args.spg_mix is not None, "spg")):
         if given and args.objective != objective:
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
+    if args.spg_beta is not None and not args.spg_beta > 0:
+        p.error(f"--spg-beta must be positive, got {args.spg_beta}")
+    if args.spg_mix is not None and not 0 <= args.spg_mix <= 1:
+        p.error(f"--spg-mix must be in [0, 1], got {args.spg_mix}")
     for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size),
                         ("--pass-at-k-size", args.pass_at_k_size), ("--sft-stop", args.sft_stop)):
         if value < 0:
@@ -119,12 +130,14 @@ def parse_args(argv=None):
     stp = args.objective == "stp"
     for name, default in (("stp_tau", 0.75 if stp else None), ("mc_samples", 3 if stp else MC_SAMPLES),
                           ("updates_per_batch", 4 if args.objective in FIELD else 1),
-                          ("clip_eps", 0.5 if args.objective == "diffu-grpo" else bgpo.CLIP_EPS)):
+                          ("clip_eps", 0.5 if args.objective == "diffu-grpo" else bgpo.CLIP_EPS),
+                          ("spg_beta", SPG_BETA), ("spg_mix", SPG_MIX)):
         if getattr(args, name) is None:  # the objective's own default
             setattr(args, name, default)
     args.anchors = stp and not args.no_anchors and args.task == "sudoku"   # the other tasks have no anchors
-    if args.objective == "trajectory" and (args.updates_per_batch > 1 or args.minibatches > 1):
-        p.error("--objective trajectory is on-policy: use it with --updates-per-batch 1 and --minibatches 1")
+    if args.objective in ("trajectory", "spg") and (args.updates_per_batch > 1 or args.minibatches > 1):
+        p.error(f"--objective {args.objective} is on-policy here: use it with --updates-per-batch 1 and "
+                "--minibatches 1")
     if args.sft_stop > args.sft_steps:
         p.error(f"--sft-stop {args.sft_stop} is past --sft-steps {args.sft_steps}")
     if 0 < args.rl_pool < args.prompts_per_step:

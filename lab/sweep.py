@@ -46,6 +46,7 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "g16": ("lab.rl", ["--group-size", "16", "--prompts-per-step", "8"]),  # the same 128 rollouts in 8 groups
     "g32": ("lab.rl", ["--group-size", "32", "--prompts-per-step", "4"]),  # ... and in 4 groups
     "w-reinforce": ("lab.rl", ["--advantages", "w-reinforce", "--neg-weight", "1"]),  # +0.1 solved, -1 not
+    "spg": ("lab.rl", ["--objective", "spg"]),                  # SPG: an upper bound of log pi where A < 0
 }
 
 # -----------------------------------------------------------------------------

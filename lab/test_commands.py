@@ -21,14 +21,15 @@ def shared_out(tmp_path_factory):
 
 @pytest.mark.parametrize("objective, extra", [("diffu-grpo", ["--advantages", "no-std"]),
                                               ("stp", ["--stp-tau", "0.5"]),
-                                              ("dtrpo", [])])
+                                              ("dtrpo", []), ("spg", [])])
 def test_two_rl_steps_run_for_each_field_objective(shared_out, objective, extra):
     tmp_path = shared_out                                                  # one SFT model for the three runs
     # they only need to run
     history = rl.main(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra))
     assert [h["step"] for h in history] == [0, 1, 2]
     name = rl.parse_args(tiny_argv(tmp_path, "--objective", objective, "--sft-steps", "30", *extra)).run_name
-    run = {"diffu-grpo": "diffu-grpo_no-std_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4"}[objective]
+    run = {"diffu-grpo": "diffu-grpo_no-std_u4", "stp": "stp_nt4_tau0.5_u4", "dtrpo": "dtrpo_u4",
+           "spg": "spg_nt4"}[objective]
     assert name.startswith(f"arithmetic_{run}_seed0_"), name     # and a hash of the tiny sizes
     records = figures.read_log(tmp_path / name / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -148,7 +149,7 @@ def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_pa
     rows = {(r["objective"], r["samples"]): r["act_mb"]
             for r in bench_memory.every_objective_table(args, get_task("arithmetic"))}
     assert rows["bgpo", 16] <= 1.1 * rows["bgpo", 1], "BGPO: one sample's graph at a time"
-    assert rows["naive", 16] > 8 * rows["naive", 1] and rows["stp", 16] > 8 * rows["stp", 1], (
+    assert all(rows[name, 16] > 8 * rows[name, 1] for name in ("naive", "stp", "spg")), (
         "one batch of n copies")
 
 def test_memory_figure_holds_the_lines_it_draws():
@@ -228,6 +229,9 @@ def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, comm
     (["--neg-weight", "1.5"], "--neg-weight must be in [0, 1]"),
     (["--objective", "trajectory", "--updates-per-batch", "2"], "on-policy"),
     (["--objective", "trajectory", "--minibatches", "2"], "on-policy"),
+    (["--objective", "spg", "--updates-per-batch", "2"], "on-policy"),
+    (["--spg-mix", "0.5"], "--spg-mix is an option of --objective spg, not bgpo"),
+    (["--objective", "spg", "--spg-beta", "0"], "--spg-beta must be positive"),
     (["--stp-tau", "0.5"], "--stp-tau is an option of --objective stp, not bgpo"),
     (["--objective", "stp", "--stp-tau", "0"], "--stp-tau must be in (0, 1]"),
     (["--objective", "dtrpo", "--no-anchors"], "--no-anchors is an option of --objective stp"),

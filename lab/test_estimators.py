@@ -66,6 +66,39 @@ def test_random_order_dynamic_programming_equals_enumerating_all_orders():
         assert abs(mean - per_order.mean()) < 1e-10, (L, mean.item(), per_order.mean().item())
         assert abs(log_mean_exp - (per_order.logsumexp(0) - math.log(len(per_order)))) < 1e-10
 
+def test_spg_upper_bound_in_expectation_is_its_mean_over_orders_and_holds_for_beta_at_least_L():
+    """SPG's bound in expectation over its copies, three ways: the weighted sum over the mask sets
+    (spg_bound_from_table); E_sigma[c_i^beta] over all L! orders, c_i the probability of y^i when an order
+    writes it; and spg_eubo fed every mask set as a copy, weighted by its probability. Then against the exact
+    log pi: above it for every completion when beta >= L (Hölder), below it for some when beta = 1."""
+    from lab.objectives import spg_eubo
+    L, violations = 3, {1.0: 0, 3.0: 0}
+    for seed in range(4):
+        model = tiny_model(seed, max_len=6, scale=1.0)
+        x, y = random_batch(B=8, L=L, seed=seed)
+        with torch.no_grad():
+            for prompt, completion in zip(x, y):
+                masks, logp = log_probs_under_every_mask(model, prompt, completion)
+                row = lambda S: sum(1 << i for i in S) - 1                          # a set's row in the table
+                orders = list(itertools.permutations(range(L)))
+                c = torch.zeros(len(orders), L)                                     # log c_i(sigma)
+                for n, sigma in enumerate(orders):
+                    for step in range(L):
+                        c[n, sigma[step]] = logp[row(sigma[step:]), sigma[step]]
+                k = masks.sum(1)
+                n_sets = torch.tensor([math.comb(L, int(j)) for j in k], dtype=logp.dtype)
+                every_set = bgpo.MCSamples(masks[None], (len(masks) / (k * n_sets))[None])   # M = 2^L - 1
+                _, log_pi = random_order_log_likelihood(model, prompt, completion)
+                for beta in violations:
+                    bound = estimators.spg_upper_bound(model, prompt, completion, beta)
+                    over_orders = ((beta * c).logsumexp(0) - math.log(len(orders))).sum() / beta
+                    assert abs(bound - over_orders) < 1e-10, (beta, bound.item(), over_orders.item())
+                    as_copies = spg_eubo(logp[None], every_set, beta) * L
+                    assert abs(bound - as_copies) < 1e-10, (beta, bound.item(), as_copies.item())
+                    violations[beta] += bool(bound < log_pi)
+    print(f"completions whose bound lies below log pi, of 32 (L = {L}): {violations}")
+    assert violations[3.0] == 0 and violations[1.0] > 0, violations
+
 def test_exact_elbo_gradient_is_the_probability_weighted_sum_of_per_mask_gradients():
     model = tiny_model()
     x, y = random_batch(B=1, L=4)

@@ -10,7 +10,7 @@ import torch
 
 import bgpo
 from lab import negatives, objectives, rl
-from lab.estimators import exact_elbo, random_order_log_likelihood
+from lab.estimators import exact_elbo, random_order_log_likelihood, spg_upper_bound
 from lab.sampler import Rollouts
 from lab.testing import grads, on_policy_setup, random_batch, tiny_argv, tiny_model
 
@@ -24,6 +24,8 @@ def test_exact_measures_are_the_exact_functions_per_row():
             assert m["elbo"][b].item() == pytest.approx(exact_elbo(model, x[b], y[b]).item(), abs=1e-10)
         assert m["log_likelihood"][b].item() == pytest.approx(log_likelihood.item(), abs=1e-10)
         assert m["elbo"][b].item() == pytest.approx(elbo.item(), abs=1e-10)
+        bound = spg_upper_bound(model, x[b], y[b], objectives.SPG_BETA).item()
+        assert m["spg_bound"][b].item() == pytest.approx(bound, abs=1e-10)
     assert (m["gap"] > 0).all()        # Jensen: the log of the mean over orders is above the mean of the logs
 
 def test_sampler_frequency_matches_the_samplers_enumerated_law():

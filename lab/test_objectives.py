@@ -343,6 +343,25 @@ def test_naive_two_pass_equals_bgpo_on_policy():
     assert objectives.naive_two_pass_backward(model, x, y, mc, None, A) == pytest.approx(loss, rel=1e-12)
     assert ((grads(model) - bound).norm() / bound.norm()).item() < 1e-12
 
+def test_spg_without_its_upper_bound_is_bgpo_on_policy_and_the_bound_changes_only_the_negative_rows():
+    model, x, y, mc, old_terms, A = on_policy_setup()
+    bgpo_backward(model, x, y, mc, None, A)
+    bound = grads(model)
+    model.zero_grad()
+    objectives.spg_loss(model, x, y, mc, A, mix=0.0).backward()
+    assert ((grads(model) - bound).norm() / bound.norm()).item() < 1e-12
+    rows = A >= 0   # the rows with A = 0 count in the mean, as in spg_loss over the whole batch
+    for mix in (0.0, 1.0):
+        model.zero_grad()
+        part = objectives.rows_of(mc, rows)
+        objectives.spg_loss(model, x[rows], y[rows], part, A[rows], mix=mix).backward()
+        positive = grads(model)
+        assert mix == 0.0 or ((positive - reference).norm() / reference.norm()).item() < 1e-12
+        reference = positive
+    model.zero_grad()
+    objectives.spg_loss(model, x, y, mc, A, mix=1.0).backward()
+    assert ((grads(model) - bound).norm() / bound.norm()).item() > 1e-3
+
 def test_naive_two_pass_activation_memory_is_flat_in_n_t_like_bgpo():
     peak = {}
     for M in (1, 16):
