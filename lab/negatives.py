@@ -197,7 +197,8 @@ def summarise(units, L):
         n = sum(len(c) for changes in per_seed.values() for c in changes)
         table.append({"update": half, "step": step, "rows": on, "measure": name, "mean": mean,
                       "half_width": half_width, "share_fell": fell / n, "share_rose": rose / n, "n": n,
-                      "seeds": len(per_seed)})
+                      "seeds": len(per_seed), "per_seed": {seed: torch.cat(c).mean().item()
+                                                           for seed, c in per_seed.items()}})
     return table
 
 def describe(path, task, args, n_prompts=2):
