@@ -47,6 +47,7 @@ from bgpo import RunError, held_out, load_checkpoint, save_checkpoint
 from lab import cli
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
+from lab.estimators import random_order_log_likelihood
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, get_task, parse_expression
 from tiny_dllm import ActivationMemory, sft_loss
@@ -95,6 +96,9 @@ def make_parser():
     a("--sft-stop", type=int, default=0,
       help="stop SFT at this step and start RL from that step's model (the same SFT run, trained less); "
            "0: bgpo.py's SFT, which keeps its best validated model")
+    a("--track-answers", type=int, default=0,
+      help="log at every evaluation the exact likelihood of the SFT model's G answers to the first N "
+           "held-out problems, wrong and right apart (2^L forward rows per answer); 0: none")
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
@@ -121,6 +125,7 @@ def parse_args(argv=None):
     if args.spg_mix is not None and not 0 <= args.spg_mix <= 1:
         p.error(f"--spg-mix must be in [0, 1], got {args.spg_mix}")
     for flag, value in (("--rl-pool", args.rl_pool), ("--final-eval-size", args.final_eval_size),
+                        ("--track-answers", args.track_answers),
                         ("--pass-at-k-size", args.pass_at_k_size), ("--sft-stop", args.sft_stop)):
         if value < 0:
             p.error(f"{flag} must be an integer >= 0, got {value}")
@@ -207,10 +212,27 @@ def advantages(rewards, args):
     A = ADVANTAGES[args.advantages](rewards, args.group_size).to(args.device)
     return torch.where(A < 0, args.neg_weight * A, A)
 
-def held_out_eval(model, task, args, record, pool=None):
+def tracked_answers(model, task, args):
+    """--track-answers N: G rollouts of each of the first N held-out problems from the SFT model (the same
+    as lab.negatives --track's), whose exact likelihoods every evaluation then logs."""
+    return sample_rollouts(model, task, held_out(task, args)[:args.track_answers], args.group_size, args,
+                           torch.Generator().manual_seed(args.seed + 6))
+
+def track_likelihoods(model, tracked, record):
+    """Adds to a log record the exact log pi and ELBO per token (lab/estimators.py, in the model's dtype) of
+    the tracked answers, mean over the wrong ones and over the right ones: track_{wrong,right}_{log_pi,elbo}
+    (None where there is none)."""
+    elbo, log_pi = (torch.stack(v) for v in zip(*(random_order_log_likelihood(model, x, y)
+                                                   for x, y in zip(tracked.x, tracked.y))))
+    right, L = (tracked.rewards == 1.0).to(elbo.device), tracked.y.shape[1]
+    for kind, rows in (("wrong", ~right), ("right", right)):
+        for name, value in (("log_pi", log_pi), ("elbo", elbo)):
+            record[f"track_{kind}_{name}"] = value[rows].mean().item() / L if rows.any() else None
+
+def held_out_eval(model, task, args, record, pool=None, tracked=None):
     """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the held-out
-    prompts (held_out_entropy) and the accuracy on the --rl-pool problems: adds them to a step's log record;
-    returns the line to print, with three examples."""
+    prompts (held_out_entropy), the accuracy on the --rl-pool problems and the tracked answers' likelihoods
+    (track_likelihoods): adds them to a step's log record; returns the line to print, with three examples."""
     prompts = held_out(task, args)
     result = evaluate(model, task, prompts, args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"],
@@ -220,11 +242,16 @@ def held_out_eval(model, task, args, record, pool=None):
     if pool:
         record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
         text += f" | pool accuracy {record['pool_accuracy']:.1%}"
+    if tracked is not None:
+        with torch.no_grad():
+            track_likelihoods(model, tracked, record)
+        text += f" | tracked log pi per token: wrong {record['track_wrong_log_pi']:+.3f}"
     return text + "\n" + "\n".join(result["examples"])
 
-def run_rl(args, task, model, pool=None):
+def run_rl(args, task, model, pool=None, tracked=None):
     """A copy of bgpo.run_rl with --objective's draws and update, the lab's sampler, advantages and
-    options, and its diagnostics. pool: the fixed training problems of --rl-pool, or None for fresh ones.
+    options, and its diagnostics. pool: the fixed training problems of --rl-pool, or None for fresh ones;
+    tracked: the answers of --track-answers (tracked_answers), or None.
     Returns the records with a held-out evaluation (step 0 is the SFT model)."""
     stats, G, B = {}, args.group_size, args.prompts_per_step * args.group_size
     objective = OBJECTIVES[args.objective]
@@ -245,7 +272,7 @@ def run_rl(args, task, model, pool=None):
     else:
         bgpo.show_unmasking(model, task, held_out(task, args)[0], args)
         start, records = 1, [{"step": 0}]
-        print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool))
+        print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool, tracked))
     os.makedirs(run_dir, exist_ok=True)
     if not args.resume:
         cli.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
@@ -311,7 +338,7 @@ def run_rl(args, task, model, pool=None):
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
                 f"{r['seconds']:.2f} s | entropy {r['entropy']:.2f} | cos(g+, g-) {r['cos_pos_neg']:+.2f}")
         if step % args.eval_every == 0 or step == args.rl_steps:
-            line += " | " + held_out_eval(model, task, args, r, pool)
+            line += " | " + held_out_eval(model, task, args, r, pool, tracked)
         print(line)
         with open(log_path, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -435,7 +462,8 @@ def main(argv=None):
     if args.stage == "sft":
         return model
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
-    history = run_rl(args, task, model, pool)
+    tracked = tracked_answers(model, task, args) if args.track_answers else None   # the SFT model's
+    history = run_rl(args, task, model, pool, tracked)
     print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
           f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
           f"files: {sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")

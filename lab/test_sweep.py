@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bgpo
-from lab import control, objectives, rl, sweep
+from lab import control, negatives, objectives, rl, sweep
 from lab.sampler import Rollouts
 from lab.testing import grads, on_policy_setup, read_log, tiny_argv
 from tasks import get_task
@@ -208,9 +208,11 @@ def test_the_held_out_entropy_equals_its_value_by_hand():
     assert rl.held_out_entropy(model, task, prompts, args, batch_size=2) == pytest.approx(expected, abs=1e-6)
 
 def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unchanged(tmp_path):
-    """Evaluation draws no random number of training's: a run evaluated every step and scored for pass@k
-    logs the same training numbers as one evaluated once, without pass@k."""
-    often = tiny_argv(tmp_path, "--eval-every", "1", "--final-eval-size", "8", "--pass-at-k-size", "4")
+    """Evaluation draws no random number of training's: a run evaluated every step, scored for pass@k and
+    tracking its SFT model's answers logs the same training numbers as one evaluated once, without them.
+    The tracked answers' likelihoods at step 0 are lab.negatives' exact measures of the SFT model's."""
+    often = tiny_argv(tmp_path, "--eval-every", "1", "--final-eval-size", "8", "--pass-at-k-size", "4",
+                      "--track-answers", "1")
     rarely = tiny_argv(tmp_path, "--eval-every", "2")
     logs = []
     for argv in (often, rarely):
@@ -219,6 +221,14 @@ def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unch
     final = json.load(open(os.path.join(tmp_path, rl.parse_args(often).run_name, "final.json")))
     assert final["pass_at_k_size"] == 4 and set(final["pass_at_k"]) == {str(k) for k in rl.PASS_K}
     assert "eval_entropy" in logs[0][1] and "eval_entropy" not in logs[1][1]
+    args, task = rl.parse_args(often), get_task("arithmetic")
+    tracked = rl.tracked_answers(rl.sft_model(args, task), task, args)
+    with torch.no_grad():
+        exact = negatives.exact_measures(rl.sft_model(args, task), tracked.x, tracked.y)
+    for kind, rows in (("wrong", tracked.rewards < 1), ("right", tracked.rewards == 1)):
+        expected = exact["log_likelihood"][rows].mean().item() / task.gen_len if rows.any() else None
+        assert logs[0][0][f"track_{kind}_log_pi"] == pytest.approx(expected, abs=1e-9)
+        assert all(f"track_{kind}_log_pi" in record for record in logs[0])
     timing = {"seconds", "rollout_seconds"}
     for a, b in zip(*logs):
         assert {k: a[k] for k in b if k not in timing} == {k: v for k, v in b.items() if k not in timing}
