@@ -72,7 +72,8 @@ def draw(figure, png_path):
         ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"),
                yscale=panel.get("yscale", "linear"))
         ax.set_title(panel["title"], fontsize=9)
-        ax.legend(fontsize=7)
+        if panel["lines"]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
     fig.savefig(png_path, dpi=80)

@@ -24,6 +24,7 @@ completion of the first --groups groups that carry a signal, before and after, p
                             and the lab's common ones: --temperature, --neg-weight, --rl-lr, ...]
     python -m lab.negatives --describe RUN/ckpt.pt [--seed S]   # the same measures of a model's own rollouts
     python -m lab.negatives --track out/RUN_A_seed{seed},out/RUN_B_seed{seed} --seeds 0-4   # whole runs
+    python -m lab.negatives --track-logs out/RUN_A_seed{seed},... --seeds 0-4   # every evaluation, drawn
 
 Needs each seed's SFT model (python -m lab.rl --stage sft --seed S). Prints the table: per seed the mean over
 its batches, then the mean over seeds with a 95% Student-t interval (the batches of a seed share its SFT
@@ -44,7 +45,8 @@ from lab import cli, rl
 from lab.estimators import exact_table, random_order_from_table, spg_bound_from_table
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of
 from lab.sampler import generate, sample_rollouts
-from lab.sweep import interval, parse_seeds
+from lab.figures import draw, read_log
+from lab.sweep import band, interval, parse_seeds
 from tasks import get_task
 
 HALVES = {"negative": lambda A: A < 0, "positive": lambda A: A > 0}
@@ -267,6 +269,44 @@ def track(runs, task, per_seed, out_dir, n_prompts=8):
     cli.write_json(os.path.join(out_dir, "negatives_track.json"), {"runs": runs, "rows": rows})
     return rows
 
+def track_logs(runs, seeds, out_dir):
+    """What lab.rl --track-answers logged at every evaluation of whole runs (runs: folder patterns with
+    {seed}): the exact log pi per token of the SFT model's wrong and right answers. Prints, per run, the
+    change from step 0 to the last evaluation, mean over seeds [95% interval], and each run minus the first,
+    paired by seed; draws the curves (mean over seeds, with the interval) as negatives_track.png in out_dir.
+    Returns the figure's data."""
+    panels = []
+    print("exact log pi per token of the SFT model's answers (lab.rl --track-answers): change from step 0 to "
+          "the last evaluation, mean over seeds [95% interval]; minus the first run: paired by seed")
+    for kind in ("wrong", "right"):
+        lines, first = [], None
+        for run in runs:
+            by_step = {}   # step -> {seed: value}
+            for seed in seeds:
+                for r in read_log(os.path.join(run.format(seed=seed), "log.jsonl")):
+                    if r.get(f"track_{kind}_log_pi") is not None:
+                        by_step.setdefault(r["step"], {})[seed] = r[f"track_{kind}_log_pi"]
+            if not by_step:   # no answer of this kind among the tracked ones
+                continue
+            label = os.path.basename(run).split("_seed")[0]
+            lines.append({"label": label, **band(by_step)})
+            last = max(by_step)
+            change = {s: by_step[last][s] - by_step[0][s] for s in by_step[last] if s in by_step[0]}
+            mean, half = interval(list(change.values()))
+            text = (f"  {kind:<6} {label:<24} step {last}: {mean:+.3f} "
+                    f"[{mean - half:+.3f}, {mean + half:+.3f}]")
+            if first is None:
+                first = change
+            else:
+                d, d_half = interval([change[s] - first[s] for s in change if s in first])
+                text += f" | minus the first {d:+.3f} [{d - d_half:+.3f}, {d + d_half:+.3f}]"
+            print(text)
+        panels.append({"title": f"exact log pi per token, the SFT model's {kind} answers",
+                       "xlabel": "RL step", "lines": lines})
+    figure = {"panels": panels}
+    draw(figure, os.path.join(out_dir, "negatives_track.png"))
+    return figure
+
 def main(argv=None):
     p = cli.make_parser("python -m lab.negatives", __doc__.strip().split("\n")[0])
     a = p.add_argument
@@ -284,6 +324,8 @@ def main(argv=None):
       help="instead: the measures of the completions this checkpoint's model writes (2 held-out problems)")
     a("--track", default=None, metavar="RUN,RUN",
       help="instead: the SFT model's answers under these runs' last models; folders with {seed}")
+    a("--track-logs", default=None, metavar="RUN,RUN",
+      help="instead: what these runs' lab.rl --track-answers logged at every evaluation, and its figure")
     args = p.parse_args(argv)
     args.spg_beta, args.spg_mix = SPG_BETA, SPG_MIX
     for flag in ("batches", "groups", "sampler_draws"):
@@ -296,6 +338,12 @@ def main(argv=None):
         if not os.path.isfile(args.describe):
             raise bgpo.RunError(f"--describe: no checkpoint at {args.describe}")
         return describe(args.describe, task, cli.check_args(p, args))
+    if args.track_logs:
+        runs = args.track_logs.split(",")
+        for run, seed in itertools.product(runs, args.seeds):
+            if not os.path.isfile(os.path.join(run.format(seed=seed), "log.jsonl")):
+                raise bgpo.RunError(f"--track-logs: no log.jsonl in {run.format(seed=seed)}")
+        return track_logs(runs, args.seeds, args.out_dir)
     per_seed = [cli.check_args(p, argparse.Namespace(**{**vars(args), "seed": seed})) for seed in args.seeds]
     for seeded in per_seed:   # every SFT model is there before any is measured
         if not os.path.isfile(rl.sft_path(seeded)):

@@ -95,3 +95,23 @@ def test_the_command_measures_a_batch_and_refuses_a_missing_sft_model(tmp_path, 
     assert rows[("unchanged", "elbo")] == 0 and rows[("unchanged", "log_likelihood")] == 0
     moved = [v for (run, _), v in rows.items() if run != "unchanged"]
     assert len(moved) == 2 and all(v != 0 and math.isfinite(v) for v in moved), rows
+
+def test_track_logs_reads_every_evaluation_and_pairs_the_runs_by_seed(tmp_path, capsys):
+    """Two runs' logs with known tracked values: the change from step 0, each run minus the first paired by
+    seed, and the figure's lines, worked out by hand."""
+    values = {("a", 0): [-0.4, -0.6], ("a", 1): [-0.2, -0.3], ("b", 0): [-0.4, -1.1], ("b", 1): [-0.2, -0.8]}
+    for (run, seed), (start, end) in values.items():
+        folder = tmp_path / f"{run}_seed{seed}"
+        folder.mkdir()
+        records = [{"step": 0, "accuracy": 0.1, "track_wrong_log_pi": start, "track_right_log_pi": None},
+                   {"step": 1, "reward": 0.5},
+                   {"step": 2, "accuracy": 0.2, "track_wrong_log_pi": end, "track_right_log_pi": None}]
+        (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = f"{tmp_path}/a_seed{{seed}},{tmp_path}/b_seed{{seed}}"
+    figure = negatives.main(["--track-logs", runs, "--seeds", "0-1", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "a                        step 2: -0.150" in out                  # mean of -0.2 and -0.1
+    assert "b                        step 2: -0.650 " in out and "minus the first -0.500 [-0.500, -0.500]" in out
+    wrong = figure["panels"][0]["lines"]
+    assert [line["label"] for line in wrong] == ["a", "b"] and wrong[1]["y"] == pytest.approx([-0.3, -0.95])
+    assert figure["panels"][1]["lines"] == [], "no right answers tracked: no line"
