@@ -73,7 +73,7 @@ def test_spg_upper_bound_in_expectation_is_its_mean_over_orders_and_holds_for_be
     log pi: above it for every completion when beta >= L (Hölder), below it for some when beta = 1."""
     from lab.objectives import spg_eubo
     L, violations = 3, {1.0: 0, 3.0: 0}
-    for seed in range(4):
+    for seed in range(2):
         model = tiny_model(seed, max_len=6, scale=1.0)
         x, y = random_batch(B=8, L=L, seed=seed)
         with torch.no_grad():
@@ -96,7 +96,7 @@ def test_spg_upper_bound_in_expectation_is_its_mean_over_orders_and_holds_for_be
                     as_copies = spg_eubo(logp[None], every_set, beta) * L
                     assert abs(bound - as_copies) < 1e-10, (beta, bound.item(), as_copies.item())
                     violations[beta] += bool(bound < log_pi)
-    print(f"completions whose bound lies below log pi, of 32 (L = {L}): {violations}")
+    print(f"completions whose bound lies below log pi, of 16 (L = {L}): {violations}")
     assert violations[3.0] == 0 and violations[1.0] > 0, violations
 
 def test_exact_elbo_gradient_is_the_probability_weighted_sum_of_per_mask_gradients():
