@@ -132,7 +132,7 @@ def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_e
     """-mean_b R_lb_b, backpropagated one chunk of mc_chunk samples at a time. R_lb is a sum of
     per-sample terms, so the chunks' gradients add up in .grad to the full gradient while only one
     chunk's activations are alive: memory is that of mc_chunk samples, whatever n_t is. This is
-    gradient accumulation, as over micro-batches, here over MC samples. Returns the loss."""
+    gradient accumulation, as over micro-batches, here over MC samples. Returns the loss's value."""
     check_shapes(prompts, completions, mc, old_terms, advantages)
     if not isinstance(mc_chunk, int) or mc_chunk < 1:
         raise ValueError(f"mc_chunk: must be a positive int, got {mc_chunk!r}")
@@ -161,7 +161,7 @@ def group_advantages(rewards, group_size):
     TRL's GRPO trainer. Equal rewards give A = 0."""
     r = reward_groups(rewards, group_size)
     A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)
-    # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would blow that up
+    # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would make that an A of ~1e-2
     tie = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)
     return A.masked_fill(tie, 0.0).flatten()
 
@@ -258,7 +258,7 @@ def processes(args):   # under torchrun, other random draws: the runs' files get
     return f"_{args.world}processes" if args.world > 1 else ""
 
 def sft_path(args):
-    """The SFT checkpoint's name records every setting that changes the kept model: --stage all reuses it."""
+    """The SFT checkpoint's name records every flag that changes the kept model: --stage all reuses it."""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
                         f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}.pt")
@@ -275,7 +275,7 @@ def sft_batches(task, args, generator):
         yield x[rows], y[rows]
 
 def sft_lr_at(args, step):
-    """SFT's learning rate at a step: linear warmup, then cosine decay to 10% over --sft-steps."""
+    """SFT's learning rate at a step: a linear warmup times a cosine decay to 10% over --sft-steps."""
     warmup, progress = min(100, args.sft_steps // 10), min(step - 1, args.sft_steps) / args.sft_steps
     return SFT_LR * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -300,7 +300,7 @@ def run_sft(args, task):
         loss = sft_loss(model, *next(batches), generator=generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        loss, = average_gradients(model, args, loss.item())
+        [loss] = average_gradients(model, args, loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss)
@@ -404,7 +404,7 @@ def run_rl(args, task, model):
                     naive.backward()
                     loss = naive.item()
                 loss, mean_rows = average_gradients(model, args, loss, len(keep))  # means over the processes
-                if mean_rows == 0:  # no process kept a row: no step (Adam would move the weights anyway)
+                if mean_rows == 0:  # no process kept a row: no step (Adam moves weights on zero gradients)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
