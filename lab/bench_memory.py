@@ -13,12 +13,12 @@ import os
 import torch
 
 import bgpo
-from bgpo import encode, group_advantages, make_model
+from bgpo import group_advantages, make_model
 from lab import cli
 from lab.figures import draw
 from lab.objectives import OBJECTIVES, SPG_BETA, SPG_MIX
 from lab.sampler import Rollouts
-from tasks import get_task
+from tasks import encode, get_task
 from tiny_dllm import measure_update
 
 def bench_batch(task, args):

@@ -49,7 +49,7 @@ from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
 from lab.estimators import random_order_log_likelihood
 from lab.sampler import evaluate, sample_rollouts
-from tasks import MAX_TEXT, ParseError, get_task, parse_expression
+from tasks import MAX_TEXT, ParseError, encode, get_task, parse_expression
 from tiny_dllm import ActivationMemory, sft_loss
 
 FIELD = ("diffu-grpo", "stp", "dtrpo")  # d1, STP and dTRPO: mu = 4 inner updates by default
@@ -360,7 +360,7 @@ def prediction_entropy(model, prompts, gen_len):
 def held_out_entropy(model, task, prompts, args, batch_size=256):
     """prediction_entropy, the quantity the training log's "entropy" is on the rollout prompts, averaged over
     held-out prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
-    values = [prediction_entropy(model, bgpo.encode(task, prompts[i:i + batch_size], device=args.device),
+    values = [prediction_entropy(model, encode(task, prompts[i:i + batch_size], device=args.device),
                                  task.gen_len) * len(prompts[i:i + batch_size])
               for i in range(0, len(prompts), batch_size)]
     return sum(values) / len(prompts)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bgpo import encode
+from tasks import encode
 
 def steps_per_block(steps, num_blocks):
     return [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
