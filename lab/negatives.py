@@ -280,7 +280,7 @@ def track_logs(runs, seeds, out_dir):
           "the last evaluation, mean over seeds [95% interval]; minus the first run: paired by seed")
     for kind in ("wrong", "right"):
         lines, first = [], None
-        for run in runs:
+        for n, run in enumerate(runs):
             by_step = {}   # step -> {seed: value}
             for seed in seeds:
                 for r in read_log(os.path.join(run.format(seed=seed), "log.jsonl")):
@@ -288,16 +288,19 @@ def track_logs(runs, seeds, out_dir):
                         by_step.setdefault(r["step"], {})[seed] = r[f"track_{kind}_log_pi"]
             if not by_step:   # no answer of this kind among the tracked ones
                 continue
+            if 0 not in by_step:
+                raise bgpo.RunError(f"--track-logs: {run} logged no tracked answers at step 0 (give "
+                                    "--track-answers from the run's start)")
             label = os.path.basename(run).split("_seed")[0]
             lines.append({"label": label, **band(by_step)})
             last = max(by_step)
             change = {s: by_step[last][s] - by_step[0][s] for s in by_step[last] if s in by_step[0]}
             mean, half = interval(list(change.values()))
-            text = (f"  {kind:<6} {label:<24} step {last}: {mean:+.3f} "
+            text = (f"  {kind:<6} {label:<24} step {last}, {len(change)} seeds: {mean:+.3f} "
                     f"[{mean - half:+.3f}, {mean + half:+.3f}]")
-            if first is None:
+            if n == 0:
                 first = change
-            else:
+            elif first is not None:   # the first run has answers of this kind
                 d, d_half = interval([change[s] - first[s] for s in change if s in first])
                 text += f" | minus the first {d:+.3f} [{d - d_half:+.3f}, {d + d_half:+.3f}]"
             print(text)

@@ -213,7 +213,8 @@ def spg_loss(model, prompts, completions, mc, advantages, beta=SPG_BETA, mix=SPG
     the mean of the masked tokens' log-probabilities, unweighted). 2. Our stratified copies (its code:
     num_t = 2 block masks, and 15% of the visible tokens masked too). 3. The lab's advantages (its code:
     r - mean, no std). 4. One update per rollout batch, no ratio, no clip (its code: REINFORCE, mu
-    updates)."""
+    updates). As in its code, the bound averages over the positions masked in some copy, the ELBO over
+    all L."""
     check_shapes(prompts, completions, mc, None, advantages)
     logp = copy_token_log_probs(model, prompts, completions, mc)                      # (B, M, L)
     elbo = (mc.weight.to(logp) * (logp * mc.mask).sum(2)).mean(1) / completions.shape[1]   # (B,)

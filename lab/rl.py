@@ -245,7 +245,8 @@ def held_out_eval(model, task, args, record, pool=None, tracked=None):
     if tracked is not None:
         with torch.no_grad():
             track_likelihoods(model, tracked, record)
-        text += f" | tracked log pi per token: wrong {record['track_wrong_log_pi']:+.3f}"
+        wrong = record["track_wrong_log_pi"]
+        text += " | tracked wrong answers: " + ("none" if wrong is None else f"log pi {wrong:+.3f} per token")
     return text + "\n" + "\n".join(result["examples"])
 
 def run_rl(args, task, model, pool=None, tracked=None):

@@ -110,8 +110,8 @@ def test_track_logs_reads_every_evaluation_and_pairs_the_runs_by_seed(tmp_path, 
     runs = f"{tmp_path}/a_seed{{seed}},{tmp_path}/b_seed{{seed}}"
     figure = negatives.main(["--track-logs", runs, "--seeds", "0-1", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "a                        step 2: -0.150" in out                  # mean of -0.2 and -0.1
-    assert "b                        step 2: -0.650 " in out
+    assert "a                        step 2, 2 seeds: -0.150" in out          # mean of -0.2 and -0.1
+    assert "b                        step 2, 2 seeds: -0.650 " in out
     assert "minus the first -0.500 [-0.500, -0.500]" in out
     wrong = figure["panels"][0]["lines"]
     assert [line["label"] for line in wrong] == ["a", "b"] and wrong[1]["y"] == pytest.approx([-0.3, -0.95])

@@ -362,6 +362,23 @@ def test_spg_without_its_upper_bound_is_bgpo_on_policy_and_the_bound_changes_onl
     objectives.spg_loss(model, x, y, mc, A, mix=1.0).backward()
     assert ((grads(model) - bound).norm() / bound.norm()).item() > 1e-3
 
+def test_spg_eubo_by_hand_leaves_out_a_position_masked_in_no_copy_with_a_finite_gradient():
+    model, x, y, mc, old_terms, A = on_policy_setup(M=3)
+    mask = mc.mask.clone()
+    mask[:, :, 0] = False                                 # position 0 is masked in no copy
+    mask[:, :, 1] = True                                  # and every copy masks something
+    mc = bgpo.MCSamples(mask, mc.weight)
+    logp = objectives.copy_token_log_probs(model, x, y, mc)                    # (B, M, L)
+    value = objectives.spg_eubo(logp, mc, beta=2.0)
+    (B, M, L) = mask.shape
+    for b in range(B):
+        per_token = [math.log(sum(mc.weight[b, j].item() * math.exp(2 * logp[b, j, i].item())
+                                  for j in range(M) if mask[b, j, i]) / M) / 2
+                     for i in range(L) if mask[b, :, i].any()]
+        assert value[b].item() == pytest.approx(sum(per_token) / len(per_token), abs=1e-12)
+    value.sum().backward()
+    assert torch.isfinite(grads(model)).all()
+
 def test_naive_two_pass_activation_memory_is_flat_in_n_t_like_bgpo():
     peak = {}
     for M in (1, 16):
