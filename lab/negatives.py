@@ -236,8 +236,7 @@ def track(runs, task, per_seed, out_dir, n_prompts=8):
     changes = {}   # (run, "wrong" or "right", measure) -> {seed: the mean change per token}
     for args in per_seed:
         sft = bgpo.load_model(rl.sft_path(args), task, args).cpu()
-        batch = sample_rollouts(sft, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
-                                torch.Generator().manual_seed(args.seed + 6))
+        batch = rl.tracked_answers(sft, task, args, n_prompts)
         x, y, right = batch.x.cpu(), batch.y.cpu(), (batch.rewards == 1.0).cpu()
         before = exact_measures(sft, x, y)
         line = f"seed {args.seed}: {int(right.sum())} right, {int((~right).sum())} wrong |"

@@ -212,10 +212,10 @@ def advantages(rewards, args):
     A = ADVANTAGES[args.advantages](rewards, args.group_size).to(args.device)
     return torch.where(A < 0, args.neg_weight * A, A)
 
-def tracked_answers(model, task, args):
-    """--track-answers N: G rollouts of each of the first N held-out problems from the SFT model (the same
-    as lab.negatives --track's), whose exact likelihoods every evaluation then logs."""
-    return sample_rollouts(model, task, held_out(task, args)[:args.track_answers], args.group_size, args,
+def tracked_answers(model, task, args, n_prompts):
+    """G rollouts of each of the first n_prompts held-out problems from the SFT model, drawn from a stream of
+    their own: the answers whose exact likelihoods --track-answers logs and lab.negatives --track measures."""
+    return sample_rollouts(model, task, held_out(task, args)[:n_prompts], args.group_size, args,
                            torch.Generator().manual_seed(args.seed + 6))
 
 def track_likelihoods(model, tracked, record):
@@ -463,7 +463,7 @@ def main(argv=None):
     if args.stage == "sft":
         return model
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
-    tracked = tracked_answers(model, task, args) if args.track_answers else None   # the SFT model's
+    tracked = tracked_answers(model, task, args, args.track_answers) if args.track_answers else None
     history = run_rl(args, task, model, pool, tracked)
     print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
           f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"

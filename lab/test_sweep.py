@@ -222,7 +222,7 @@ def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unch
     assert final["pass_at_k_size"] == 4 and set(final["pass_at_k"]) == {str(k) for k in rl.PASS_K}
     assert "eval_entropy" in logs[0][1] and "eval_entropy" not in logs[1][1]
     args, task = rl.parse_args(often), get_task("arithmetic")
-    tracked = rl.tracked_answers(rl.sft_model(args, task), task, args)
+    tracked = rl.tracked_answers(rl.sft_model(args, task), task, args, args.track_answers)
     with torch.no_grad():
         exact = negatives.exact_measures(rl.sft_model(args, task), tracked.x, tracked.y)
     for kind, rows in (("wrong", tracked.rewards < 1), ("right", tracked.rewards == 1)):
