@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -170,6 +171,7 @@ def group_advantages(rewards, group_size):
 
 DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
+SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
 
@@ -223,18 +225,16 @@ def evaluate(model, task, prompts, args, n_show=3):
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}
 
-def save_checkpoint(path, task, config, **state):
-    """state with what load_checkpoint checks: the task, its tokenizer's vocabulary and the model config.
-    Written to a temporary file, then renamed: an interrupted save never leaves a broken file."""
+def write_text(path, text, save=None):
+    """Write text (or call save(file name)) into a temporary file, then rename it: an interrupted write never
+    leaves a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(dict(task=task.name, vocab=task.tokenizer.itos, config=asdict(config), **state), path + ".tmp")
+    save(path + ".tmp") if save else pathlib.Path(path + ".tmp").write_text(text)
     os.replace(path + ".tmp", path)
 
-def write_text(path, text):   # as save_checkpoint does
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+def save_checkpoint(path, task, config, **state):   # with what load_checkpoint checks
+    state = dict(task=task.name, vocab=task.tokenizer.itos, config=asdict(config), **state)
+    write_text(path, None, lambda tmp: torch.save(state, tmp))
 
 def load_checkpoint(path, task, config=None):
     """Load a checkpoint, checking that it was made for this task, tokenizer and model config (if given)."""
@@ -259,8 +259,9 @@ def processes(args):   # under torchrun, other random draws: the runs' files get
 
 def sft_path(args):
     """The SFT checkpoint's name records every flag that changes the kept model: --stage all reuses it."""
+    patience = f"p{SFT_PATIENCE}m{SFT_MIN_STEPS[args.task]}"
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
-                        f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}p{SFT_PATIENCE}_l{args.n_layer}"
+                        f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}{patience}_l{args.n_layer}"
                         f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}.pt")
 
 def sft_batches(task, args, generator):
@@ -282,7 +283,7 @@ def sft_lr_at(args, step):
 def run_sft(args, task):
     """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss). Every --sft-eval-every steps the
     verifier scores greedy answers to validation problems; the best model is kept, and SFT stops after
-    SFT_PATIENCE evaluations without progress: more SFT on a few hundred demonstrations memorises them."""
+    SFT_PATIENCE evaluations without progress (after SFT_MIN_STEPS): more SFT memorises the demonstrations."""
     torch.manual_seed(args.seed)  # the initial weights: the same on every process
     model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
@@ -320,7 +321,7 @@ def run_sft(args, task):
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
                    f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
                    f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
-        if step - best["step"] >= SFT_PATIENCE * args.sft_eval_every:
+        if step - best["step"] >= SFT_PATIENCE * args.sft_eval_every and step >= SFT_MIN_STEPS[task.name]:
             print(f"SFT stops: no better validation reward for {SFT_PATIENCE} evaluations")
             break
     model.load_state_dict(best_weights)
@@ -417,17 +418,24 @@ def run_rl(args, task, model):
         records.append(r := {"step": step, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
                              "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
+                             "solve_groups": ((groups == 1).any(1) & (groups < 1).any(1)).double().mean()
+                             .item(),   # groups with a solve and a miss: the only ones that teach to solve
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
                              "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0})
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
-                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
+                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "
                 f"{r['seconds']:.2f} s")
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
         if evaluation:
             line += " | " + held_out_eval(model, task, args, r)
             rngs, saved = everyone(generator.get_state(), args), step   # every process's, for --resume
         print(line)
+        if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
+            dead = sum(not q.get("solve_groups", 1) for q in records[1:])   # no solve to learn from
+            why = ("every rollout solved its problem" if r["solved"] == 1 else
+                   "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
+            print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
             with open(log_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
@@ -461,8 +469,8 @@ def bench_memory(args, task):
     A = group_advantages(torch.rand(B, generator=generator), args.group_size).to(args.device)
     print(f"model {model.num_params() / 1e6:.2f}M params | {task.name}, B = {B}, L = {task.gen_len} | BGPO's "
           f"--mc-chunk {args.mc_chunk} | device {args.device} | median of 3 updates\n"
-          f" n_t | naive MB  BGPO MB naive/BGPO | naive s  BGPO s BGPO/naive"
-          + (" | CUDA peak MB:    naive     BGPO" if cuda else ""))
+          f" n_t | naive MiB BGPO MiB naive/BGPO | naive s  BGPO s BGPO/naive"
+          + (" | CUDA peak MiB:   naive     BGPO" if cuda else ""))
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)

@@ -605,6 +605,28 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     for r in records[1:]:                                                 # what tells the run's health
         assert 0 <= r["mixed_groups"] <= 1 and 0 <= r["solved"] <= 1 and r["reward_std"] >= 0
 
+@pytest.mark.parametrize("rewards, warning", [
+    ("solve, miss, ...", None),
+    ("all missed", "1 of 1 RL steps had no group with both a solve and a miss: the policy solves too few"),
+    ("all solved", "1 of 1 RL steps had no group with both a solve and a miss: every rollout solved")])
+def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, rewards,
+                                                                     warning):
+    """Only a group with both a solve and a miss reinforces a solve. A run without one used to go on in
+    silence (the SFT model of a plateau solved nothing); it now warns at each evaluation, with what to do."""
+    real = bgpo.sample_rollouts
+
+    def scripted_rollouts(model, task, prompts, args, generator):
+        x, y, r = real(model, task, prompts, args, generator)
+        return x, y, {"solve, miss, ...": torch.arange(len(r)) % 2, "all missed": torch.zeros(len(r)),
+                      "all solved": torch.ones(len(r))}[rewards].double()
+
+    monkeypatch.setattr(bgpo, "sample_rollouts", scripted_rollouts)
+    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1", "--sft-steps", "2", "--sft-eval-every", "2"))
+    out = capsys.readouterr().out
+    record = read_log(tmp_path / "arithmetic_bgpo_nt4_seed0" / "log.jsonl")[1]
+    assert record["solve_groups"] == (1.0 if warning is None else 0.0)
+    assert ("warning:" not in out) if warning is None else ("warning: " + warning in out), out[-600:]
+
 def test_one_on_policy_adamw_step_gives_the_same_parameters_for_bgpo_and_naive():
     model, x, y, mc, old_terms, A = on_policy_setup()
     new_params = {}
@@ -690,6 +712,7 @@ def test_demonstrations_are_a_fixed_set_of_training_problems(tmp_path):
 def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_patience(tmp_path, monkeypatch):
     task, real, snapshots = get_task("arithmetic"), bgpo.evaluate, []
     monkeypatch.setattr(bgpo, "SFT_PATIENCE", 2)
+    monkeypatch.setitem(bgpo.SFT_MIN_STEPS, "arithmetic", 0)
     args = tiny_args(tmp_path, "--sft-steps", "100", "--sft-eval-every", "10")
     val_prompts, scripted = task.sample(args.val_size, "validation", 4321)[0], iter([0.2, 0.5, 0.4, 0.3, 0.9])
 
@@ -710,6 +733,30 @@ def test_sft_keeps_the_model_with_the_best_validation_reward_and_stops_after_pat
         assert torch.equal(value, snapshots[1][name]) and torch.equal(saved["model"][name], value), name
     assert any(not torch.equal(snapshots[3][n], v) for n, v in snapshots[1].items()), (
         "SFT went on after step 20")
+
+def test_sft_does_not_stop_on_a_plateau_before_the_tasks_minimum_steps(tmp_path, monkeypatch, capsys):
+    """A flat start then a rise, as arithmetic's validation reward does for its first 300-500 steps: patience
+    alone would keep the plateau's model; SFT_MIN_STEPS keeps training until the rise."""
+    task, real = get_task("arithmetic"), bgpo.evaluate
+    monkeypatch.setattr(bgpo, "SFT_PATIENCE", 2)
+    args = tiny_args(tmp_path, "--sft-steps", "100", "--sft-eval-every", "10")
+    val_prompts = task.sample(args.val_size, "validation", 4321)[0]
+
+    def run(min_steps):
+        scripted = iter([0.02, 0.0, 0.01, 0.0, 0.0, 0.3, 0.5, 0.4, 0.45, 0.2])
+        def scripted_evaluate(model, task, prompts, args, n_show=3):
+            result = real(model, task, prompts, args, n_show)
+            result["reward"] = next(scripted) if prompts == val_prompts else result["reward"]
+            return result
+        monkeypatch.setattr(bgpo, "evaluate", scripted_evaluate)
+        monkeypatch.setitem(bgpo.SFT_MIN_STEPS, "arithmetic", min_steps)
+        bgpo.run_sft(args, task)
+        saved = torch.load(bgpo.sft_path(args), weights_only=True)
+        return saved["step"], saved["curve"][-1]["step"]
+
+    assert run(0) == (10, 30), "patience alone stops on the plateau, keeping step 10"
+    assert run(60) == (70, 90), "with a minimum of 60 steps SFT sees the rise and keeps step 70"
+    assert "m60_" in bgpo.sft_path(args), "the minimum is in the SFT checkpoint's name"
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     argv = tiny_argv(tmp_path)

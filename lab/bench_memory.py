@@ -36,7 +36,7 @@ def bench_batch(task, args):
 
 def measured(model, optimizer, backward, args):
     """backward() then an optimizer step, measured as bgpo.bench_memory measures an update (measure_update),
-    --bench-repeats times: (peak activation MB, median seconds, CUDA MB or nan); nan everywhere if it ran out
+    --bench-repeats times: (peak activation MiB, median seconds, CUDA MiB or nan); nan everywhere if it ran out
     of memory."""
     m = measure_update(model, lambda: (backward(), optimizer.step()), args.bench_repeats)
     if m is None:
@@ -53,7 +53,7 @@ def memory_figure(rows):
               for name, label in (("naive", "naive"), ("bgpo", "BGPO"))]
     ratio = [{"label": "BGPO / naive", "x": n, "y": [r["bgpo"]["s"] / r["naive"]["s"] for r in rows],
               "style": "o-"}]
-    return {"panels": [{"title": "activation memory of one update (MB)", "xlabel": "n_t", "xscale": "log",
+    return {"panels": [{"title": "activation memory of one update (MiB)", "xlabel": "n_t", "xscale": "log",
                         "yscale": "log", "lines": memory},
                        {"title": "step time, BGPO / naive", "xlabel": "n_t", "xscale": "log",
                         "lines": ratio}]}
@@ -68,8 +68,8 @@ def two_pass_table(args, task):
     (batch, A, generator), rows = bench_batch(task, args), []
     names = {"naive": "naive", "bgpo": "BGPO", "naive-two-pass": "two-pass"}
     for policy, minibatches in (("on-policy", 1), ("off-policy", 2)):
-        print(f"\n{policy}: one update on B = {len(A)} sequences (activation MB | median seconds)")
-        print(f"{'n_t':>4} | " + " ".join(f"{name + ' MB':>11}" for name in names.values()) + " | "
+        print(f"\n{policy}: one update on B = {len(A)} sequences (activation MiB | median seconds)")
+        print(f"{'n_t':>4} | " + " ".join(f"{name + ' MiB':>11}" for name in names.values()) + " | "
               + " ".join(f"{name + ' s':>10}" for name in names.values()) + f" | {'two-pass/BGPO s':>15}")
         for n_t in (1, 2, 4, 8, 16, 32, 64):
             settings = argparse.Namespace(**{**vars(args), "updates_per_batch": 1, "minibatches": minibatches,
@@ -100,8 +100,8 @@ def every_objective_table(args, task):
         return measured(model, optimizer, backward, args)
 
     print("\nEvery objective, one update on the same batch: which grow with their sample count")
-    print(f"{'objective':>14} | {'samples':>22} | {'act MB':>8} | {'s':>7}"
-          + (f" | {'CUDA MB':>8}" if cuda else ""))
+    print(f"{'objective':>14} | {'samples':>22} | {'act MiB':>8} | {'s':>7}"
+          + (f" | {'CUDA MiB':>8}" if cuda else ""))
     rows = []
     for objective, what, counts in (("bgpo", "n_t masked copies", (1, 16)),
                                     ("naive", "n_t masked copies", (1, 16)),

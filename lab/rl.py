@@ -336,11 +336,16 @@ def run_rl(args, task, model, pool=None, tracked=None):
                              "rollout_seconds": rollout_seconds, "seconds": time.time() - t0})
         stats.clear()
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
-                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MB | "
+                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "
                 f"{r['seconds']:.2f} s | entropy {r['entropy']:.2f} | cos(g+, g-) {r['cos_pos_neg']:+.2f}")
         if step % args.eval_every == 0 or step == args.rl_steps:
             line += " | " + held_out_eval(model, task, args, r, pool, tracked)
         print(line)
+        if "accuracy" in r and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):  # bgpo's
+            dead = sum(not q.get("solve_groups", 1) for q in records[1:])
+            why = ("every rollout solved its problem" if r["solved"] == 1 else
+                   "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
+            print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
         with open(log_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line

@@ -111,7 +111,8 @@ def sft_finished(args):
     last = state["curve"][-1]["step"]
     if args.sft_stop:   # lab.rl --sft-stop N: the model of step N
         return state["step"] == args.sft_stop
-    return last == args.sft_steps or last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
+    return last == args.sft_steps or (last - state["step"] >= bgpo.SFT_PATIENCE * args.sft_eval_every
+                                      and last >= bgpo.SFT_MIN_STEPS[args.task])
 
 def scored(final, args):
     """Whether a run's final.json is scored as this sweep asks: on as many problems, pass@k on as many."""
