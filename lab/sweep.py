@@ -209,6 +209,8 @@ def table(finals, reference, measure="accuracy"):
     (scored before it existed) are left out."""
     finals = {arm: {s: f for s, f in runs.items() if measure in f} for arm, runs in finals.items()}
     finals = {arm: runs for arm, runs in finals.items() if runs}
+    if not finals:   # no run scored it (--pass-at-k-size 0: no pass@32)
+        return []
     sft = {seed: f["sft_" + measure] for arm in finals.values() for seed, f in arm.items()}   # one per seed
     rows = [("SFT model", sorted(sft), interval(list(sft.values())), None, None)]
     for arm, runs in finals.items():

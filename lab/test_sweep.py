@@ -84,6 +84,7 @@ def test_table_intervals_and_paired_differences_by_hand():
     assert math.isnan(rows["rft"][4][1])   # one pair: no interval
     assert rows["bgpo"][3][0] == pytest.approx(-0.4)
     assert rows["bgpo"][3][1] == pytest.approx(half(-0.5, -0.3), rel=1e-4)
+    assert sweep.table(finals, "bgpo", "pass@32") == [], "no run scored pass@k (--pass-at-k-size 0): no rows"
 
 def run_in_process(jobs, workers, threads):
     """sweep.run_jobs without worker processes: each job's command (python -m MODULE ...) called in this one,
