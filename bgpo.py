@@ -169,7 +169,7 @@ def group_advantages(rewards, group_size):
 # -----------------------------------------------------------------------------
 # 3. The script: SFT on demonstrations, then RL with the verifier
 
-DEMOS = {"arithmetic": 500, "countdown": 500, "sudoku": 200}  # default --demos per task
+DEMOS = {"arithmetic": 1000, "countdown": 500, "sudoku": 200}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
@@ -458,8 +458,9 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
-    """One on-policy update of a whole RL batch of demonstrations, with random rewards that never tie (memory
-    and time depend on the shapes, not the values), by each objective at n_t = 1..64. Returns the rows
+    """The forward and backward (no optimizer step) of one on-policy update of a whole RL batch of
+    demonstrations with random rewards that never tie (memory and time depend on the shapes, not the
+    values), by each objective at n_t = 1..64. Returns the rows
     {"n_t", "naive", "bgpo"}: each objective's measure_update, None where it ran out of memory (its row says
     so, and the table goes on)."""
     torch.manual_seed(args.seed)
