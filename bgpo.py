@@ -458,11 +458,9 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
-    """The forward and backward (no optimizer step) of one on-policy update of a whole RL batch of
-    demonstrations with random rewards that never tie (memory and time depend on the shapes, not the
-    values), by each objective at n_t = 1..64. Returns the rows
-    {"n_t", "naive", "bgpo"}: each objective's measure_update, None where it ran out of memory (its row says
-    so, and the table goes on)."""
+    """Forward and backward (no optimizer step) of one on-policy update of a whole RL batch with random
+    rewards that never tie, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update
+    results, None where it ran out of memory (its row says so and the table goes on)."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)

@@ -4,12 +4,13 @@ Toy tasks with verifiable rewards, and the character tokenizer they share.
 Three tasks, each a prompt string -> answer string map with a reward that a program can check:
 
     arithmetic   "482+517="     -> "999"          reward 1 if the sum is exact, else 0
-    countdown    "7,3,12:33"    -> "(7+3)*3" ...  reward 1 if a valid expression hits the target,
+    countdown    "7,3,12:33"    -> "3*7+12" ...   reward 1 if a valid expression hits the target,
                                                   0.1 if well formed but wrong, else 0
     sudoku       "1.3.|..." 4x4 -> 16 digits      reward = fraction of blank cells filled correctly
 
-Countdown and Sudoku are the paper's planning tasks (BGPO Sec. 4), shrunk to 3 numbers and 4x4
-grids so that a 0.6M-parameter model learns them on a CPU.
+Countdown and Sudoku are the paper's planning tasks (BGPO Sec. 4; its Sudoku, d1's, is 4x4 too). What
+shrank is the answer: the model writes the sum, the expression or the grid alone, with no reasoning, in
+a completion of 4-16 characters, so that a 0.6M-parameter model learns them on a CPU.
 
 Simplifications versus the paper:
 1. Character-level tokens and fixed-length prompts and completions per task (the paper uses
@@ -198,7 +199,7 @@ class Task:
 
 @dataclass
 class Arithmetic(Task):
-    """a + b with 3-digit operands. The sum is written most-significant digit first, as people
+    """a + b with operands 0-999. The sum is written most-significant digit first, as people
     write it; the digit order made no difference once the ELBO was estimated with the
     low-variance count form."""
     digits: int = 3
@@ -343,7 +344,7 @@ class Sudoku(Task):
     validation_percent: int = 10
 
     def __post_init__(self):
-        self.prompt_len = 19   # "12.4|3.1.|....|..3."
+        self.prompt_len = 19   # "..31|....|..4.|3.1."
         self.gen_len = 16
         self.prompt_pattern = r"[1-4.]{4}(\|[1-4.]{4}){3}"
 

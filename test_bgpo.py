@@ -594,6 +594,15 @@ def test_a_finished_run_and_a_resume_with_other_flags_exit_2_with_one_line(tmp_p
         assert code == 2 and err.count("\n") == 1 and message in err, err
     assert bgpo.main(argv[:-2] + ["--rl-steps", "2", "--resume"])[-1]["step"] == 2, "a longer run resumes"
 
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_each_task_runs_sft_then_rl_from_the_command_line(tmp_path, monkeypatch, capsys, name):
+    argv = tiny_argv(tmp_path, "--task", name, "--sft-steps", "2", "--sft-eval-every", "2", "--rl-steps", "1")
+    code, err = run_script(argv, monkeypatch, capsys)
+    assert code == 0, err
+    records = read_log(tmp_path / f"{name}_bgpo_nt4_seed0" / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1] and "accuracy" in records[1]
+    assert len(list(tmp_path.glob(f"sft_{name}_*.pt"))) == 1, "the task's SFT checkpoint"
+
 @pytest.mark.parametrize("objective", ["bgpo", "naive"])
 def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     history = bgpo.main(tiny_argv(tmp_path, "--objective", objective))

@@ -127,8 +127,8 @@ def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratifi
     """n_t masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
     torch's default dtype. Each copy alone is an unbiased one-sample estimate of the ELBO (Eq. 4).
     "stratified": after LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
-                  k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1, k_0 shifted by offsets spread over
-                  0..L-1 as evenly as rounding allows (L = 4, M = 8: 0,0,1,2,2,2,3,4), exactly k_j
+                  k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1, k_0 shifted by offsets that spread
+                  the counts over 1..L (L = 4, M = 8: 0,0,1,2,2,2,3,4; halves round to even), exactly k_j
                   tokens masked, weight L/k_j (t = k/L). Each k_j alone is uniform, so every copy is
                   unbiased for every L and M; spreading them removes most of the variance between
                   copies. With M = 1 this is the count form: k ~ U{1..L}, weight L/k.
