@@ -433,7 +433,7 @@ def run_rl(args, task, model):
         print(line)
         if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])   # no solve to learn from
-            why = ("every rollout solved its problem" if r["solved"] == 1 else
+            why = ("the rollouts solve nearly every problem: little left to learn" if r["solved"] >= .5 else
                    "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
             print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it

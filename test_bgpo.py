@@ -617,7 +617,7 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
 @pytest.mark.parametrize("rewards, warning", [
     ("solve, miss, ...", None),
     ("all missed", "1 of 1 RL steps had no group with both a solve and a miss: the policy solves too few"),
-    ("all solved", "1 of 1 RL steps had no group with both a solve and a miss: every rollout solved")])
+    ("all solved", "1 of 1 RL steps had no group with both a solve and a miss: the rollouts solve nearly")])
 def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, rewards,
                                                                      warning):
     """Only a group with both a solve and a miss reinforces a solve. A run without one used to go on in

@@ -341,9 +341,9 @@ def run_rl(args, task, model, pool=None, tracked=None):
         if step % args.eval_every == 0 or step == args.rl_steps:
             line += " | " + held_out_eval(model, task, args, r, pool, tracked)
         print(line)
-        if "accuracy" in r and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):  # bgpo's
+        if "accuracy" in r and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])
-            why = ("every rollout solved its problem" if r["solved"] == 1 else
+            why = ("the rollouts solve nearly every problem: little left to learn" if r["solved"] >= .5 else
                    "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
             print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
         with open(log_path, "a") as f:
