@@ -226,10 +226,11 @@ def evaluate(model, task, prompts, args, n_show=3):
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}
 
 def write_text(path, text, save=None):
-    """Write text (or call save(file name)) into a temporary file, then rename it: an interrupted write never
-    leaves a broken file."""
+    """text, or what save(file name) writes, to a temporary file renamed to path: never a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save(path + ".tmp") if save else pathlib.Path(path + ".tmp").write_text(text)
+    if save is None:
+        save = lambda tmp: pathlib.Path(tmp).write_text(text)
+    save(path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def save_checkpoint(path, task, config, **state):   # with what load_checkpoint checks
