@@ -223,6 +223,55 @@ def spg_loss(model, prompts, completions, mc, advantages, beta=SPG_BETA, mix=SPG
     return -(A * X).mean()
 
 # -----------------------------------------------------------------------------
+# BGPO with levers that spend the policy's entropy slower (Cui et al., arXiv 2505.22617), one copy at a time
+
+def highest_covariance(logp, A, mask, fraction):
+    """The masked positions in the top `fraction` (at least one) of a copy's masked positions in the batch by
+        cov_i = (log p_i - mean log p) (A_b - mean A),
+    means over the copy's masked positions and the batch's rows: (B, L) bool. logp (B, L) detached, A (B,).
+    Cui et al.'s lemma: a softmax policy's entropy changes by about -Cov(log pi, its logits' change), and a
+    policy-gradient step moves a logit with A; so positive cov (a confident token of a rewarded row, a rare
+    one of a punished row) is what lowers the entropy."""
+    n = int(mask.sum())
+    if n == 0:
+        return mask.clone()
+    mean_logp = (logp * mask).sum() / n
+    cov = ((logp - mean_logp) * (A - A.mean())[:, None]).masked_fill(~mask, -math.inf)
+    top = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    top[cov.flatten().topk(max(1, round(fraction * n))).indices] = True
+    return top.view_as(mask) & mask
+
+def spared_bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None,
+                         cov_detach=0.0, entropy_coef=0.0):
+    """bgpo_backward, one copy per backward (memory flat in n_t), with two levers, each off at 0:
+    cov_detach: in each copy, the highest_covariance fraction of its masked positions keep their
+        log-probability in the value of l_j but lose its gradient (Clip-Cov's detach, on KL-Cov's top-k
+        choice; per copy of the ELBO rather than per token of one sequence, and the top fraction rather than
+        Clip-Cov's random share of a covariance band).
+    entropy_coef: minus entropy_coef times the mean entropy of the copy's predictions at its masked
+        positions, / n_t, joins the loss: a bonus for spread predictions where the ELBO looks.
+    With both at 0 it is bgpo_backward with mc_chunk 1 (a test compares the two)."""
+    check_shapes(prompts, completions, mc, old_terms, advantages)
+    (B, n_t, L), P, total = mc.mask.shape, prompts.shape[1], 0.0
+    for j in range(n_t):
+        mask = mc.mask[:, j].to(completions.device)                                        # (B, L)
+        y_t = completions.masked_fill(mask, model.config.mask_id)
+        logq = model(torch.cat([prompts, y_t], dim=1))[:, P:].log_softmax(-1)              # (B, L, V)
+        logp = logq.gather(-1, completions[..., None])[..., 0]                             # (B, L)
+        if cov_detach > 0:
+            detached = highest_covariance(logp.detach(), advantages.to(logp), mask, cov_detach)
+            logp = torch.where(detached, logp.detach(), logp)
+        terms = mc.weight[:, j:j + 1].to(logp) * (logp * mask).sum(-1, keepdim=True)       # (B, 1)
+        d = log_ratio(terms, None if old_terms is None else old_terms[:, j:j + 1], L)
+        loss = -bgpo_bound(d, advantages.to(d), n_t, clip_eps).sum(1).mean()
+        if entropy_coef > 0:
+            entropy = -(logq.exp() * logq.nan_to_num(0.0)).sum(-1)   # MASK's -inf: 0 * -inf -> 0
+            loss = loss - entropy_coef * (entropy * mask).sum() / mask.sum().clamp(min=1) / n_t
+        loss.backward()
+        total += loss.item()
+    return total
+
+# -----------------------------------------------------------------------------
 # The objectives: what each fixes once per rollout batch, and its inner update j
 
 @dataclass
@@ -271,6 +320,10 @@ def elbo_draws(model, batch, args, generator):
 
 def bgpo_update(model, batch, state, A, args, inner=0):
     batch, state, A = informative(batch, state, A)
+    cov_detach, entropy_coef = getattr(args, "cov_detach", 0.0), getattr(args, "entropy_coef", 0.0)
+    if cov_detach or entropy_coef:   # lab.rl's entropy levers; off, bgpo.py's update
+        return spared_bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A,
+                                    clip_of(args), cov_detach, entropy_coef)
     return bgpo_backward(model, batch.x, batch.y, state["mc"], state["old_terms"], A, clip_of(args),
                          args.mc_chunk)
 

@@ -79,6 +79,11 @@ def make_parser():
     a("--spg-mix", type=float, default=None,
       help=f"SPG's weight omega of the upper bound where A < 0, the ELBO's 1 - omega (None: {SPG_MIX}); "
            "1: the upper bound alone")
+    a("--cov-detach", type=float, default=0.0,
+      help="BGPO: in each masked copy, this fraction of its masked positions with the largest covariance of "
+           "log p and A lose their gradient (Clip-Cov-like); 0: off")
+    a("--entropy-coef", type=float, default=0.0,
+      help="BGPO: a bonus of this weight for the entropy of its predictions at masked positions; 0: off")
     a("--advantages", choices=list(ADVANTAGES), default="group",
       help="group: Eq. 18's z-score; no-std: the reward minus the group mean (d1's); rft: 1 for a solved "
            "rollout, 0 otherwise (rejection-sampling fine-tuning); w-reinforce: +0.1 for a solved "
@@ -118,6 +123,15 @@ def parse_args(argv=None):
                                    ("--spg-mix", args.spg_mix is not None, "spg")):
         if given and args.objective != objective:
             p.error(f"{flag} is an option of --objective {objective}, not {args.objective}")
+    for flag, value in (("--cov-detach", args.cov_detach), ("--entropy-coef", args.entropy_coef)):
+        if value and args.objective != "bgpo":
+            p.error(f"{flag} is an option of --objective bgpo, not {args.objective}")
+        if value and args.mc_chunk != 1:
+            p.error(f"{flag} runs one masked copy per backward: use it with --mc-chunk 1")
+    if not 0 <= args.cov_detach < 1:
+        p.error(f"--cov-detach must be in [0, 1), got {args.cov_detach}")
+    if not args.entropy_coef >= 0:
+        p.error(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:
         p.error(f"--stp-tau must be in (0, 1], got {args.stp_tau}")
     if args.spg_beta is not None and not args.spg_beta > 0:

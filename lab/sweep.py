@@ -47,6 +47,8 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "g32": ("lab.rl", ["--group-size", "32", "--prompts-per-step", "4"]),  # ... and in 4 groups
     "w-reinforce": ("lab.rl", ["--advantages", "w-reinforce", "--neg-weight", "1"]),  # +0.1 solved, -1 not
     "spg": ("lab.rl", ["--objective", "spg"]),                  # SPG: an upper bound of log pi where A < 0
+    "cov-detach": ("lab.rl", ["--cov-detach", "0.02"]),         # BGPO, top 2% covariance positions detached
+    "entropy-bonus": ("lab.rl", ["--entropy-coef", "0.01"]),    # BGPO with an entropy bonus
 }
 
 # -----------------------------------------------------------------------------

@@ -428,3 +428,95 @@ def test_which_bounds_lie_below_the_naive_objective_for_which_sign_of_A(clip_eps
         assert (lemma1[A < 0] >= naive[A < 0] - tol).all() and (lemma2[A > 0] >= naive[A > 0] - tol).all()
     else:  # nor an upper bound: with the clip some rows lie below
         assert (lemma1[A < 0] < naive[A < 0] - 1e-3).any() and (lemma2[A > 0] < naive[A > 0] - 1e-3).any()
+
+# -----------------------------------------------------------------------------
+# BGPO's entropy levers: off, the same update; the covariance detach and the entropy bonus by hand
+
+def spared_grads(model, setup, **levers):
+    _, x, y, mc, old_terms, A = setup
+    model.zero_grad(set_to_none=True)
+    objectives.spared_bgpo_backward(model, x, y, mc, old_terms, A, **levers)
+    return grads(model)
+
+@pytest.mark.parametrize("policy", ["on", "off"])
+def test_the_entropy_levers_off_are_bgpo_backward(policy):
+    setup = on_policy_setup()
+    model, x, y, mc, old_terms, A = setup
+    old = None if policy == "on" else old_terms
+    if policy == "off":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    model.zero_grad(set_to_none=True)
+    bgpo_backward(model, x, y, mc, old, A, clip_eps=0.2 if old is not None else None)
+    expected = grads(model)
+    got = spared_grads(model, (model, x, y, mc, old, A), clip_eps=0.2 if old is not None else None)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), report(got, expected)
+
+def test_the_covariance_detach_drops_the_top_covariance_positions_gradient_worked_out_by_hand():
+    """On-policy the update is -mean_b (A_b / n_t) sum_j w_bj sum_{i masked} log p_bji / L; with cov_detach
+    the chosen positions' terms leave the sum. The choice by hand: per copy, cov over its masked positions,
+    the top round(fraction x count)."""
+    setup = on_policy_setup(M=4)
+    model, x, y, mc, _, A = setup
+    fraction, (B, M, L) = 0.25, mc.mask.shape
+    got = spared_grads(model, setup, cov_detach=fraction)
+    model.zero_grad(set_to_none=True)
+    total, chosen = 0.0, 0
+    for j in range(M):
+        rows = [model(torch.cat([x[b], y[b].masked_fill(mc.mask[b, j], 1)])[None])[0, 3:] for b in range(B)]
+        logp = torch.stack([torch.stack([torch.log_softmax(rows[b][i], -1)[y[b, i]] for i in range(L)])
+                            for b in range(B)])                                        # (B, L), row by row
+        values = logp.detach()
+        positions = [(b, i) for b in range(B) for i in range(L) if mc.mask[b, j, i]]
+        mean_logp = sum(values[b, i] for b, i in positions) / len(positions)
+        cov = {(b, i): (values[b, i] - mean_logp) * (A[b] - A.mean()) for b, i in positions}
+        top = sorted(positions, key=lambda p: -cov[p])[:max(1, round(fraction * len(positions)))]
+        chosen += len(top)
+        kept = sum(mc.weight[b, j] * logp[b, i] * A[b] for b, i in positions if (b, i) not in top)
+        total = total - kept / (M * L * B)
+    total.backward()
+    expected = grads(model)
+    assert chosen >= M and torch.allclose(got, expected, rtol=1e-9, atol=1e-12), report(got, expected)
+    assert not torch.allclose(got, spared_grads(model, setup), atol=1e-6), "the detach changes the update"
+
+def test_the_entropy_bonus_adds_the_gradient_of_the_copies_mean_masked_entropy():
+    setup = on_policy_setup(M=3)
+    model, x, y, mc, _, A = setup
+    coef, (B, M, L) = 0.3, mc.mask.shape
+    with_bonus, without = spared_grads(model, setup, entropy_coef=coef), spared_grads(model, setup)
+    model.zero_grad(set_to_none=True)
+    bonus = 0.0
+    for j in range(M):
+        probs = model(torch.cat([x, y.masked_fill(mc.mask[:, j], 1)], 1))[:, 3:].softmax(-1)   # (B, L, V)
+        entropy = -(probs * probs.clamp(min=1e-300).log()).sum(-1)
+        bonus = bonus + coef * entropy[mc.mask[:, j]].mean() / M
+    (-bonus).backward()
+    assert torch.allclose(with_bonus - without, grads(model), rtol=1e-9, atol=1e-12)
+
+def test_the_covariance_detach_keeps_memory_flat_in_n_t():
+    model, x, y, _, _, _ = on_policy_setup()
+    A = torch.tensor([1.5, -0.5, 0.3, -1.2, 0.7, -0.1])
+    peaks = []
+    for n_t in (1, 16):   # the copies' mask counts differ, and with them the detached positions: a few bytes
+        mc = bgpo.draw_mc_samples(6, 5, n_t, torch.Generator().manual_seed(1))
+        with ActivationMemory(model) as memory:
+            objectives.spared_bgpo_backward(model, x, y, mc, None, A, cov_detach=0.1, entropy_coef=0.1)
+        peaks.append(memory.peak)
+    assert 0 < peaks[1] <= 1.1 * peaks[0], f"peak activation bytes at n_t = 1 and 16: {peaks}"
+
+def test_lab_rl_runs_bgpo_with_both_entropy_levers(tmp_path, monkeypatch):
+    real, levers = objectives.spared_bgpo_backward, []
+
+    def spy(*args, **kwargs):
+        levers.append(args[-2:])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objectives, "spared_bgpo_backward", spy)
+    monkeypatch.setattr(type(get_task("arithmetic")), "reward", lambda self, prompt, text: float(len(text) % 2))
+    argv = tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2", "--rl-steps", "2",
+                     "--cov-detach", "0.1", "--entropy-coef", "0.2")
+    history = rl.main(argv)
+    args = rl.parse_args(argv)
+    assert [h["step"] for h in history] == [0, 1, 2] and args.run_name.startswith("arithmetic_bgpo_nt4_seed0_")
+    assert levers and set(levers) == {(0.1, 0.2)}, levers   # rewards that differ: updates, with both levers

@@ -47,7 +47,8 @@ def test_w_reinforce_advantages_by_hand():
 def test_each_ablation_arm_changes_only_the_setting_its_name_says():
     base = vars(rl.parse_args(["--stage", "rl"]))
     changed = {}
-    arms = ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "g32", "w-reinforce", "spg")
+    arms = ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "g32", "w-reinforce", "spg",
+            "cov-detach", "entropy-bonus")
     for arm in arms:
         args = vars(rl.parse_args(sweep.arm_argv(arm, 0, [], 2000)))
         changed[arm] = {k for k in base if args[k] != base[k]} - {"run_name", "final_eval_size"}
@@ -55,7 +56,8 @@ def test_each_ablation_arm_changes_only_the_setting_its_name_says():
     assert changed == {"nt1": {"mc_samples"}, "neg-weight-1": {"neg_weight"}, "rft": {"advantages"},
                        "no-std": {"advantages"}, "solved-reward": {"reward"},
                        "g16": {"group_size", "prompts_per_step"}, "g32": {"group_size", "prompts_per_step"},
-                       "w-reinforce": {"advantages", "neg_weight"}, "spg": {"objective"}}
+                       "w-reinforce": {"advantages", "neg_weight"}, "spg": {"objective"},
+                       "cov-detach": {"cov_detach"}, "entropy-bonus": {"entropy_coef"}}
     assert rl.parse_args(sweep.arm_argv("nt1", 0, [], 2000)).mc_samples == 1
     assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, [], 2000)).neg_weight == 1.0
 
