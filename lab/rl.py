@@ -21,7 +21,8 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    N training problems and report the accuracy on them beside the held-out one), --final-eval-size N (the
    SFT model and the final one on N held-out problems, greedy accuracy and entropy, in final.json: the
    sweep's tables read it) with --pass-at-k-size N (pass@k at the rollout temperature on the first N of
-   them), --sft-stop N (RL from step N of the same SFT run instead of the model SFT keeps).
+   them), --sft-stop N (RL from step N of the same SFT run instead of the model SFT keeps), and for BGPO
+   two levers that spend the policy's entropy slower: --cov-detach F and --entropy-coef C.
 3. Diagnostics in log.jsonl: for an objective that is a mean over rows (Objective.row_mean), the update is
    built in two parts, the rows with A > 0 and those with A < 0 (each part's A scaled by its share of the
    rows, so they add up to the same step), logged as grad_pos, grad_neg and their cosine cos_pos_neg; the
