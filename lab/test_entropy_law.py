@@ -1,16 +1,21 @@
-"""lab.entropy_law: the least-squares fit by hand, a law recovered from synthetic run logs, and bad input."""
+"""lab.entropy_law (the least-squares fit by hand, a law recovered from synthetic run logs, bad input) and
+lab.entropy_mechanism (one update's entropy change against its first-order law; the update's parts)."""
 import json
 import math
 
 import pytest
+import torch
 
-from lab import entropy_law
+import bgpo
+from lab import entropy_law, entropy_mechanism
+from lab.testing import grads, on_policy_setup, random_batch, report
 
 def test_the_fit_of_three_points_equals_its_least_squares_by_hand():
     """exp(H) = 1, 2, 3 and R = 0.3, 0.2, 0.2: slope sum (x - 2)(R - 7/30) / 2 = -0.1 / 2, so a = 0.05,
     b = 7/30 + 0.05 * 2 = 1/3; the residuals -1/60, 1/30, -1/60 give RMSE sqrt(1/1800)."""
     a, b, rmse = entropy_law.fit_law([0.0, math.log(2), math.log(3)], [0.3, 0.2, 0.2])
-    assert a == pytest.approx(0.05) and b == pytest.approx(1 / 3) and rmse == pytest.approx(math.sqrt(1 / 1800))
+    assert a == pytest.approx(0.05) and b == pytest.approx(1 / 3)
+    assert rmse == pytest.approx(math.sqrt(1 / 1800))
 
 def write_run(folder, points, every=25):
     """A lab.rl-like log.jsonl: an evaluation record (accuracy, eval_entropy) every `every` steps, and step
@@ -33,7 +38,7 @@ def test_a_law_is_recovered_from_run_logs_and_its_early_fit_predicts_the_ceiling
     for name in ("one", "two"):
         row = result["runs"][name]
         assert row["a"] == pytest.approx(a) and row["b"] == pytest.approx(b) and row["rmse"] < 1e-12
-        assert row["predicted"] == pytest.approx(b - a), "three evaluations up to step 50 already hold the law"
+        assert row["predicted"] == pytest.approx(b - a), "the evaluations up to step 50 already hold the law"
     assert result["runs"]["one"]["last_step"] == 125 and result["runs"]["two"]["last_accuracy"] == law(0.2)
     assert result["pooled"]["ceiling"] == pytest.approx(b - a)
     off = entropy_law.main([str(tmp_path / "off")])["runs"]["off"]
@@ -50,3 +55,38 @@ def test_runs_without_entropies_exit_2_with_one_line(tmp_path, capsys):
             entropy_law.main([str(tmp_path / run)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+# -----------------------------------------------------------------------------
+# lab.entropy_mechanism: one update's entropy change, its first-order law, and the parts of the update
+
+def test_the_entropy_gradient_of_one_softmax_is_minus_p_times_log_p_plus_h():
+    """dH/dz_v = -p_v (log p_v + H), by hand, against autograd; so dH = -Cov_p(log p, dz) to first order."""
+    z = torch.tensor([0.3, -1.2, 2.0, 0.1], requires_grad=True)
+    p = z.softmax(-1)
+    H = -(p * p.log()).sum()
+    H.backward()
+    hand = -p.detach() * (p.detach().log() + H.detach())
+    assert torch.allclose(z.grad, hand, atol=1e-12)
+    dz = torch.tensor([0.01, -0.02, 0.005, 0.0])
+    new_H = entropy_mechanism.entropy(z.detach() + dz)
+    predicted = entropy_mechanism.first_order_change(z.detach(), z.detach() + dz)
+    assert abs((new_H - H.detach()) - predicted) < 0.02 * abs(predicted), "first order, for a small dz"
+    tenth = entropy_mechanism.entropy(z.detach() + dz / 10) - H.detach()
+    assert abs(tenth - predicted / 10) < abs((new_H - H.detach()) - predicted) / 50, "the rest: second order"
+
+def test_the_parts_of_the_update_add_up_to_bgpos_gradient_and_a_small_step_follows_the_first_order_law():
+    model, x, y, mc, _, A = on_policy_setup(M=4)
+    model.zero_grad(set_to_none=True)
+    bgpo.bgpo_backward(model, x, y, mc, None, A)
+    whole = grads(model)
+    parts = entropy_mechanism.parts_of(model, x, y, mc, A)
+    summed = sum(entropy_mechanism.term_gradient(model, x, y, mc, A, keep) for keep in parts.values())
+    assert torch.allclose(summed, whole, rtol=1e-10, atol=1e-13), report(summed, whole)
+    assert sum(int(k.sum()) for k in parts.values()) == int((mc.mask & (A != 0)[:, None, None]).sum())
+    held_out = random_batch(B=5, P=3, L=5, seed=3)[0]
+    H, rows = entropy_mechanism.measure(model, x, y, mc, A, held_out, 5, lr=1e-4)
+    assert H > 0 and rows["whole update"][0] == 1.0
+    for name, (share, measured, predicted) in rows.items():
+        assert abs(measured - predicted) <= 0.02 * abs(predicted) + 1e-6, (name, measured, predicted)
+    total = rows["whole update"][1]
+    assert abs(sum(rows[n][1] for n in parts) - total) <= 0.02 * abs(total) + 1e-6, "the parts add up"
