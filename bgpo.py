@@ -169,7 +169,7 @@ def group_advantages(rewards, group_size):
 # -----------------------------------------------------------------------------
 # 3. The script: SFT on demonstrations, then RL with the verifier
 
-DEMOS = {"arithmetic": 750, "countdown": 500, "sudoku": 200}  # default --demos per task
+DEMOS = {"arithmetic": 750, "countdown": 500, "sudoku": 50}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
