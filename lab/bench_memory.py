@@ -36,8 +36,8 @@ def bench_batch(task, args):
 
 def measured(model, optimizer, backward, args):
     """backward() then an optimizer step, measured as bgpo.bench_memory measures an update (measure_update),
-    --bench-repeats times: (peak activation MiB, median seconds, CUDA MiB or nan); nan everywhere if it ran out
-    of memory."""
+    --bench-repeats times: (peak activation MiB, median seconds, CUDA MiB or nan); nan everywhere if it
+    ran out of memory."""
     m = measure_update(model, lambda: (backward(), optimizer.step()), args.bench_repeats)
     if m is None:
         return math.nan, math.nan, math.nan

@@ -10,10 +10,10 @@ closed form. Its ceiling, the accuracy the law predicts once the entropy is spen
 
     python -m lab.entropy_law out/RUN [out/RUN ...] [--fit-steps 200] [--png out/entropy_law.png]
 
-Per run: a, b and the fit's RMSE over all its evaluations; the ceiling fitted from the evaluations at steps up to
---fit-steps alone (a prediction), against the accuracy the run reached at its last evaluation. Over the runs: one
-law pooled from every evaluation (the paper reports a and b shared across algorithms for one model and its data).
-The figure: accuracy against entropy, a curve per run, and the pooled law.
+Per run: a, b and the fit's RMSE over all its evaluations; the ceiling fitted from the evaluations at steps up
+to --fit-steps alone (a prediction), against the accuracy the run reached at its last evaluation. Over the
+runs: one law pooled from every evaluation (the paper reports a and b shared across algorithms for one model
+and its data). The figure: accuracy against entropy, a curve per run, and the pooled law.
 """
 import argparse
 import json
@@ -58,7 +58,8 @@ def law_figure(runs, pooled):
     low, high = min(entropies), max(entropies)
     grid = [low + (high - low) * i / 50 for i in range(51)]
     a, b = pooled
-    lines.append({"label": f"R = -{a:.3f} exp(H) + {b:.3f}", "x": grid, "y": [b - a * math.exp(h) for h in grid],
+    lines.append({"label": f"R = -{a:.3f} exp(H) + {b:.3f}", "x": grid,
+                  "y": [b - a * math.exp(h) for h in grid],
                   "style": "--", "color": "black"})
     return {"panels": [{"title": "held-out accuracy against the policy's entropy (a run moves right to left)",
                         "xlabel": "entropy (nats per masked position)", "lines": lines}], "width": 7.0}
@@ -77,8 +78,8 @@ def main(argv=None):
         runs = {os.path.basename(os.path.normpath(run)): read_points(run) for run in args.runs}
     except ValueError as e:
         p.error(str(e))
-    print(f"R = -a exp(H) + b per run: a, b, RMSE over every evaluation; the ceiling b - a from the evaluations "
-          f"at steps <= {args.fit_steps} alone, against the run's last accuracy (points)")
+    print(f"R = -a exp(H) + b per run: a, b, RMSE over every evaluation; the ceiling b - a from the "
+          f"evaluations at steps <= {args.fit_steps} alone, against the run's last accuracy (points)")
     rows = {}
     for name, points in runs.items():
         try:

@@ -27,18 +27,8 @@ import bgpo
 from lab import cli
 from lab.estimators import token_log_probs
 from lab.objectives import flat_grad
+from lab.rl import entropy, first_step_logits
 from tasks import encode, get_task
-
-def first_step_logits(model, prompts, gen_len):
-    """The denoiser's logits at every completion position with the whole completion masked: (N, L, V)."""
-    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id, dtype=torch.long,
-                        device=prompts.device)
-    return model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:]
-
-def entropy(logits):
-    """Entropy of softmax(logits) per position (MASK's -inf logit: 0 log 0 = 0): (..., )."""
-    logq = logits.log_softmax(-1)
-    return -(logq.exp() * logq.nan_to_num(0.0)).sum(-1)
 
 def first_order_change(logits, new_logits):
     """-Cov_{v ~ p}(log p_v, dz_v) per position, p = softmax(logits), dz = new_logits - logits: (...,)."""

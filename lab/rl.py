@@ -370,13 +370,22 @@ def run_rl(args, task, model, pool=None, tracked=None):
     return [r for r in records if "accuracy" in r]
 
 @torch.no_grad()
+def first_step_logits(model, prompts, gen_len):
+    """The model's logits at every completion position with the whole completion masked (the sampler's
+    first step): (N, L, V)."""
+    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id,
+                        dtype=torch.long, device=prompts.device)
+    return model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:]
+
+def entropy(logits):
+    """Entropy (nats) of softmax(logits) at each position: (...,)."""
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1)  # MASK's -inf: 0 * -inf -> 0
+
 def prediction_entropy(model, prompts, gen_len):
     """Mean entropy (nats) of the model's prediction at each completion position with the whole
     completion masked, the sampler's first step: how sure the policy is before it writes anything."""
-    masked = torch.full((prompts.shape[0], gen_len), model.config.mask_id,
-                        dtype=torch.long, device=prompts.device)
-    logp = model(torch.cat([prompts, masked], 1))[:, prompts.shape[1]:].log_softmax(-1)
-    return -(logp.exp() * logp.nan_to_num(0.0)).sum(-1).mean().item()  # MASK's -inf: 0 * -inf -> 0
+    return entropy(first_step_logits(model, prompts, gen_len)).mean().item()
 
 def held_out_entropy(model, task, prompts, args, batch_size=256):
     """prediction_entropy, the quantity the training log's "entropy" is on the rollout prompts, averaged over

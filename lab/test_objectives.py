@@ -513,10 +513,12 @@ def test_lab_rl_runs_bgpo_with_both_entropy_levers(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(objectives, "spared_bgpo_backward", spy)
-    monkeypatch.setattr(type(get_task("arithmetic")), "reward", lambda self, prompt, text: float(len(text) % 2))
+    arithmetic = type(get_task("arithmetic"))
+    monkeypatch.setattr(arithmetic, "reward", lambda self, prompt, text: float(len(text) % 2))   # they differ
     argv = tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2", "--rl-steps", "2",
                      "--cov-detach", "0.1", "--entropy-coef", "0.2")
     history = rl.main(argv)
     args = rl.parse_args(argv)
-    assert [h["step"] for h in history] == [0, 1, 2] and args.run_name.startswith("arithmetic_bgpo_nt4_seed0_")
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert args.run_name.startswith("arithmetic_bgpo_nt4_seed0_")
     assert levers and set(levers) == {(0.1, 0.2)}, levers   # rewards that differ: updates, with both levers
