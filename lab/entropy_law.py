@@ -13,7 +13,8 @@ closed form. Its ceiling, the accuracy the law predicts once the entropy is spen
 Per run: a, b and the fit's RMSE over all its evaluations; the ceiling fitted from the evaluations at steps up
 to --fit-steps alone (a prediction), against the accuracy the run reached at its last evaluation. Over the
 runs: one law pooled from every evaluation (the paper reports a and b shared across algorithms for one model
-and its data). The figure: accuracy against entropy, a curve per run, and the pooled law.
+and its data), and one per group of runs that differ only by seed (their run.json flags: a sweep's arms). The
+figure: accuracy against entropy, a curve per run in its group's colour, and each group's pooled law.
 """
 import argparse
 import json
@@ -50,18 +51,36 @@ def read_points(run_dir):
         raise ValueError(f"{run_dir}: fewer than 2 evaluations with an entropy (lab.rl logs eval_entropy)")
     return points
 
-def law_figure(runs, pooled):
-    """Accuracy against entropy: {name: points} as curves, and the pooled law (a, b) over their entropies."""
-    lines = [{"label": name, "x": [h for _, h, _ in points], "y": [r for _, _, r in points], "style": "o-",
-              "alpha": 0.7} for name, points in runs.items()]
-    entropies = [h for points in runs.values() for _, h, _ in points]
-    low, high = min(entropies), max(entropies)
-    grid = [low + (high - low) * i / 50 for i in range(51)]
-    a, b = pooled
-    lines.append({"label": f"R = -{a:.3f} exp(H) + {b:.3f}", "x": grid,
-                  "y": [b - a * math.exp(h) for h in grid],
-                  "style": "--", "color": "black"})
-    return {"panels": [{"title": "held-out accuracy against the policy's entropy (a run moves right to left)",
+IGNORED = ("seed", "run_name", "out_dir", "device", "resume", "overwrite", "stage")   # not what a run is
+
+def group_of(run_dirs):
+    """{run_dir: its group's label}: the run.json flags on which the runs differ, but the seed and where the
+    run was written ("" for runs without a run.json, and where all runs share their flags)."""
+    flags = {}
+    for run in run_dirs:
+        path = os.path.join(run, "run.json")
+        flags[run] = json.load(open(path)).get("flags", {}) if os.path.isfile(path) else {}
+    keys = sorted({k for f in flags.values() for k in f if k not in IGNORED})
+    differ = [k for k in keys if len({json.dumps(f.get(k)) for f in flags.values()}) > 1]
+    return {run: " ".join(f"--{k.replace('_', '-')} {flags[run].get(k)}" for k in differ) for run in run_dirs}
+
+def law_figure(runs, groups, laws):
+    """Accuracy against entropy: {name: points} as curves, coloured by groups[name], and each group's law
+    (a, b) from laws over its runs' entropies."""
+    colour, lines, seen = {group: f"C{i}" for i, group in enumerate(laws)}, [], set()
+    for name, points in runs.items():   # one legend entry per group
+        group = groups[name]
+        lines.append({"label": "_nolegend_" if group in seen else group or "runs", "style": "o-",
+                      "alpha": 0.6, "color": colour[group],
+                      "x": [h for _, h, _ in points], "y": [r for _, _, r in points]})
+        seen.add(group)
+    for group, (a, b) in laws.items():
+        entropies = [h for name, points in runs.items() if groups[name] == group for _, h, _ in points]
+        low, high = min(entropies), max(entropies)
+        grid = [low + (high - low) * i / 50 for i in range(51)]
+        lines.append({"label": f"R = -{a:.3f} exp(H) + {b:.3f}", "x": grid, "y": [b - a * math.exp(h)
+                      for h in grid], "style": "--", "color": colour[group]})
+    return {"panels": [{"title": "held-out accuracy against the policy's entropy, every evaluation of a run",
                         "xlabel": "entropy (nats per masked position)", "lines": lines}], "width": 7.0}
 
 def main(argv=None):
@@ -78,6 +97,7 @@ def main(argv=None):
         runs = {os.path.basename(os.path.normpath(run)): read_points(run) for run in args.runs}
     except ValueError as e:
         p.error(str(e))
+    groups = {os.path.basename(os.path.normpath(run)): g for run, g in group_of(args.runs).items()}
     print(f"R = -a exp(H) + b per run: a, b, RMSE over every evaluation; the ceiling b - a from the "
           f"evaluations at steps <= {args.fit_steps} alone, against the run's last accuracy (points)")
     rows = {}
@@ -97,13 +117,21 @@ def main(argv=None):
                       "last_step": last[0], "last_accuracy": last[2], "last_entropy": last[1]}
         print(f"  {name:<44} a {a:7.3f}  b {b:7.3f}  RMSE {rmse:.3f}  ceiling {b - a:6.3f}  predicted "
               f"{predicted:6.3f}  step {last[0]}: {last[2]:.3f} (H {last[1]:.3f}, {len(points)})")
-    everything = [pt for points in runs.values() for pt in points]
-    a, b, rmse = fit_law([h for _, h, _ in everything], [r for _, _, r in everything])
-    print(f"pooled over {len(runs)} runs ({len(everything)} points): a {a:.3f}  b {b:.3f}  RMSE {rmse:.3f}  "
-          f"ceiling {b - a:.3f}")
+    order = list(dict.fromkeys(groups.values()))
+    sets = [(group, [name for name in runs if groups[name] == group]) for group in order]
+    sets += [(None, list(runs))] if len(order) > 1 else []   # and every run together
+    pooled = {}
+    for group, names in sets:
+        points = [pt for name in names for pt in runs[name]]
+        a, b, rmse = fit_law([h for _, h, _ in points], [r for _, _, r in points])
+        pooled[group] = {"a": a, "b": b, "rmse": rmse, "ceiling": b - a}
+        print(f"pooled over {len(names)} runs ({len(points)} points){' ' + group if group else ''}: a {a:.3f}"
+              f"  b {b:.3f}  RMSE {rmse:.3f}  ceiling {b - a:.3f}")
     if args.png:
-        draw(law_figure(runs, (a, b)), args.png)
-    return {"runs": rows, "pooled": {"a": a, "b": b, "rmse": rmse, "ceiling": b - a}}
+        draw(law_figure(runs, groups, {group: (pooled[group]["a"], pooled[group]["b"]) for group in order}),
+             args.png)
+    return {"runs": rows, "groups": {group: pooled[group] for group in order},
+            "pooled": pooled[None if len(order) > 1 else order[0]]}
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -45,6 +45,24 @@ def test_a_law_is_recovered_from_run_logs_and_its_early_fit_predicts_the_ceiling
     assert off["rmse"] == pytest.approx(0.01, rel=0.3) and off["ceiling"] != pytest.approx(b - a, abs=1e-6)
     assert "pooled over 2 runs (11 points)" in capsys.readouterr().out
 
+def test_runs_that_differ_by_a_flag_are_fitted_as_groups(tmp_path, capsys):
+    """Two arms, each following its own law over two seeds (run.json flags as lab.rl writes them): each
+    group's pooled fit recovers its law exactly; the fit over all four runs is neither."""
+    laws = {0.0: (0.08, 0.32), 0.01: (0.02, 0.30)}
+    for coef, (a, b) in laws.items():
+        for seed in (0, 1):
+            folder = tmp_path / f"run_{coef}_{seed}"
+            write_run(folder, [(h, b - a * math.exp(h)) for h in (1.0 - 0.3 * seed, 0.7, 0.5, 0.3)])
+            flags = {"seed": seed, "entropy_coef": coef, "lr": 1e-5, "run_name": folder.name}
+            (folder / "run.json").write_text(json.dumps({"flags": flags}))
+    result = entropy_law.main(sorted(str(run) for run in tmp_path.iterdir()))
+    for coef, (a, b) in laws.items():
+        group = result["groups"][f"--entropy-coef {coef}"]
+        assert group["a"] == pytest.approx(a) and group["b"] == pytest.approx(b) and group["rmse"] < 1e-12
+    assert result["pooled"]["rmse"] > 0.005, "the two laws pooled are no law"
+    out = capsys.readouterr().out
+    assert "pooled over 2 runs (8 points) --entropy-coef 0.01" in out and "pooled over 4 runs (16" in out
+
 def test_runs_without_entropies_exit_2_with_one_line(tmp_path, capsys):
     write_run(tmp_path / "flat", [(0.5, 0.1), (0.5, 0.2)])
     (tmp_path / "old").mkdir()
