@@ -3,7 +3,7 @@ One BGPO update and the policy's entropy, on this model: how much the update low
 update's terms do (Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
 Models", arXiv 2505.22617, measured in a masked diffusion LM).
 
-    python -m lab.entropy_mechanism [--seed S] [--lr 0.001] [--prompts 200] [bgpo.py flags]
+    python -m lab.entropy_mechanism [--seed S] [--lr 0.001] [--prompts 200] [--checkpoint CKPT] [flags]
 
 H is the mean entropy of the denoiser's predictions at the masked positions of held-out prompts with the whole
 completion masked (the sampler's first step, lab.rl's eval_entropy). For a softmax p = softmax(z) at one
@@ -12,12 +12,12 @@ position, dH/dz_v = -p_v (log p_v + H), so a change dz of the logits changes H b
     dH = -Cov_{v ~ p}(log p_v, dz_v)        (Cui et al.'s lemma, here exact to first order)
 
 On-policy, BGPO's gradient is a sum of terms, one per row b, copy j and masked position i: A_b w_bj grad log
-p(y^i | copy j) / (n_t L B). The command takes one rollout batch of the SFT model of --seed (bgpo.py's
-rollouts, advantages with negative ones halved, n_t copies), splits those terms four ways, A > 0 or A < 0
-times confident or rare (log p of the written token above or below the median over the terms), and for the
-whole update and each part takes one plain gradient step of --lr from the SFT model: the entropy change it
-measures (per unit of --lr), and the first-order prediction -Cov(log p, dz) from the step's own change of the
-logits. Steps are plain gradient steps, not AdamW's, so that the parts add up.
+p(y^i | copy j) / (n_t L B). The command takes one rollout batch of the SFT model of --seed (or of the RL
+checkpoint --checkpoint names; bgpo.py's rollouts, advantages with negative ones halved, n_t copies), splits
+those terms four ways, A > 0 or A < 0 times confident or rare (log p of the written token above or below the
+median over the terms), and for the whole update and each part takes one plain gradient step of --lr from that
+model: the entropy change it measures (per unit of --lr), and the first-order prediction -Cov(log p, dz) from
+the step's own change of the logits. Steps are plain gradient steps, not AdamW's, so that the parts add up.
 """
 import copy
 
@@ -91,11 +91,14 @@ def main(argv=None):
     p = cli.make_parser("python -m lab.entropy_mechanism", __doc__.strip().split("\n\n")[0])
     p.add_argument("--lr", type=float, default=0.001, help="the plain gradient step's size")
     p.add_argument("--prompts", type=int, default=200, help="held-out prompts whose entropy is measured")
+    p.add_argument("--checkpoint", default=None,
+                   help="an RL run's ckpt.pt, measured instead of the SFT model, on its own rollouts")
     args = cli.check_args(p, p.parse_args(argv))
     if not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
     task = get_task(args.task)
-    model = bgpo.sft_model(args, task)   # loaded, or trained first if out/ lacks it
+    model = (bgpo.load_model(args.checkpoint, task, args) if args.checkpoint
+             else bgpo.sft_model(args, task))   # loaded, or trained first if out/ lacks it
     generator = torch.Generator().manual_seed(args.seed + 1)        # bgpo.run_rl's first rollout batch
     G, B = args.group_size, args.prompts_per_step * args.group_size
     prompts = task.sample(B // G, "train", generator)[0]
@@ -105,9 +108,10 @@ def main(argv=None):
     mc = bgpo.draw_mc_samples(B, task.gen_len, args.mc_samples, generator).to(args.device)
     held_out = encode(task, bgpo.held_out(task, args)[:args.prompts], device=args.device)
     H, rows = measure(model, x, y, mc, A, held_out, task.gen_len, args.lr)
-    print(f"{task.name}, seed {args.seed}: entropy {H:.4f} nats per masked position on {len(held_out)} "
-          f"held-out prompts; one rollout batch ({int((A != 0).sum())} of {B} rows with A != 0), a plain "
-          f"step of {args.lr}")
+    where = f"seed {args.seed}" + (f", {args.checkpoint}" if args.checkpoint else "")
+    print(f"{task.name}, {where}: entropy {H:.4f} nats per masked position on {len(held_out)} held-out "
+          f"prompts; one rollout batch ({int((A != 0).sum())} of {B} rows with A != 0), a plain step of "
+          f"{args.lr}")
     print(f"{'terms':<18} {'share':>6} {'dH / lr measured':>17} {'-Cov(log p, dz) / lr':>21}")
     for name, (share, measured, predicted) in rows.items():
         print(f"{name:<18} {share:>6.1%} {measured:>+17.4f} {predicted:>+21.4f}")

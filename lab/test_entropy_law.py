@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import bgpo
-from lab import entropy_law, entropy_mechanism
-from lab.testing import grads, on_policy_setup, random_batch, report
+from lab import cli, entropy_law, entropy_mechanism, rl
+from lab.testing import grads, on_policy_setup, random_batch, report, tiny_argv
+from tasks import encode, get_task
 
 def test_the_fit_of_three_points_equals_its_least_squares_by_hand():
     """exp(H) = 1, 2, 3 and R = 0.3, 0.2, 0.2: slope sum (x - 2)(R - 7/30) / 2 = -0.1 / 2, so a = 0.05,
@@ -108,3 +109,26 @@ def test_the_parts_of_the_update_add_up_to_bgpos_gradient_and_a_small_step_follo
         assert abs(measured - predicted) <= 0.02 * abs(predicted) + 1e-6, (name, measured, predicted)
     total = rows["whole update"][1]
     assert abs(sum(rows[n][1] for n in parts) - total) <= 0.02 * abs(total) + 1e-6, "the parts add up"
+
+def test_the_mechanism_measures_the_checkpoint_it_is_given(tmp_path, capsys):
+    """--checkpoint: that model is measured, not the SFT model: its H is the entropy of that model's first
+    prediction on the same held-out prompts, computed here from its weights; a missing one exits 2."""
+    argv = tiny_argv(tmp_path, "--sft-steps", "30")
+    H_sft, _ = entropy_mechanism.main(argv + ["--prompts", "8"])          # trains the SFT model first
+    args, task = rl.parse_args(argv), get_task("arithmetic")
+    model = bgpo.load_model(rl.sft_path(args), task, args)
+    with torch.no_grad():                                                  # another model: moved weights
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    ckpt = str(tmp_path / "moved.pt")
+    bgpo.save_checkpoint(ckpt, task, model.config, stage="rl", step=1, model=model.state_dict())
+    H, _ = entropy_mechanism.main(argv + ["--prompts", "8", "--checkpoint", ckpt])
+    held_out = encode(task, bgpo.held_out(task, args)[:8], device="cpu")
+    with torch.no_grad():
+        expected = rl.entropy(rl.first_step_logits(model, held_out, task.gen_len)).mean().item()
+    assert H == pytest.approx(expected, rel=1e-9) and abs(H - H_sft) > 1e-3
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.command_line(lambda: entropy_mechanism.main(argv + ["--checkpoint", ckpt + ".missing"]), "m")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "no checkpoint at" in err, err
