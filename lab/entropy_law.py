@@ -78,7 +78,7 @@ def law_figure(runs, groups, laws):
         entropies = [h for name, points in runs.items() if groups[name] == group for _, h, _ in points]
         low, high = min(entropies), max(entropies)
         grid = [low + (high - low) * i / 50 for i in range(51)]
-        lines.append({"label": f"R = -{a:.3f} exp(H) + {b:.3f}", "x": grid, "y": [b - a * math.exp(h)
+        lines.append({"label": f"R = {-a:.3f} exp(H) + {b:.3f}", "x": grid, "y": [b - a * math.exp(h)
                       for h in grid], "style": "--", "color": colour[group]})
     return {"panels": [{"title": "held-out accuracy against the policy's entropy, every evaluation of a run",
                         "xlabel": "entropy (nats per masked position)", "lines": lines}], "width": 7.0}

@@ -290,13 +290,15 @@ def band(values_by_x, offset=None):
     return {"x": xs, "y": [m for m, _ in stats], "style": "o-",
             "band": ([m - h for m, h in stats], [m + h for m, h in stats])}
 
-def sweep_figure(arm_curves, entropy_curves=None, finals=None):
-    """Held-out accuracy against the RL step, per arm the mean over seeds and its 95% interval as a band: as
-    it is, and minus the same seed's SFT model, step 0 (paired, so the SFT lottery cancels); then, where the
-    runs have them, pass@k against k of the final models and the SFT model, and the entropy against the
-    step."""
+def sweep_figure(arm_curves, entropy_curves=None, finals=None, eval_size=None):
+    """Held-out accuracy against the RL step (the runs' evaluations, on eval_size problems), per arm the mean
+    over seeds and its 95% interval as a band: as it is, and minus the same seed's SFT model, step 0 (paired,
+    so the SFT lottery cancels); then, where the runs have them, pass@k against k of the final models and the
+    SFT model, and the entropy against the step."""
     panels = []
-    for title, paired in (("held-out accuracy (%)", False), ("minus the seed's SFT model (points)", True)):
+    problems = f" on {eval_size} problems" if eval_size else ""
+    for title, paired in ((f"held-out accuracy (%){problems}", False),
+                          ("minus the seed's SFT model (points)", True)):
         lines = []
         for arm, by_step in arm_curves.items():
             percent = {step: {seed: 100 * v for seed, v in values.items()}
@@ -304,7 +306,8 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None):
             lines.append({"label": f"{arm} ({len(by_step[max(by_step)])} seeds)",
                           **band(percent, percent[0] if paired else None)})
         panels.append({"title": f"{title}: mean over seeds, 95% interval", "lines": lines,
-                       "xlabel": "RL step (sft-continued: the same training seconds)"})
+                       "xlabel": "RL step" + (" (sft-continued: the same training seconds)"
+                                              if "sft-continued" in arm_curves else "")})
     reach = {}   # label: {k: {seed: pass@k in percent}}
     for arm, runs in (finals or {}).items():
         for seed, f in runs.items():
@@ -414,7 +417,8 @@ def main(argv=None):
             print_table(more, args.reference, size, measure)
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
-    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals), png)
+    eval_size = rl.parse_args(flags).eval_size   # the runs' progress evaluations
+    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, eval_size), png)
     if not args.table_only:   # the record of the sweep that ran
         cli.write_json(os.path.join(out_dir, "sweep.json"),
                         {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
