@@ -229,16 +229,18 @@ def highest_covariance(logp, A, mask, fraction):
     """The masked positions in the top `fraction` (at least one) of a copy's masked positions in the batch by
         cov_i = (log p_i - mean log p) (A_b - mean A),
     means over the copy's masked positions and the batch's rows: (B, L) bool. logp (B, L) detached, A (B,).
-    Cui et al.'s lemma: a softmax policy's entropy changes by about -Cov(log pi, its logits' change), and a
-    policy-gradient step moves a logit with A; so positive cov (a confident token of a rewarded row, a rare
-    one of a punished row) is what lowers the entropy."""
+    A negative fraction takes the bottom -fraction instead. Cui et al.'s lemma: a softmax policy's entropy
+    changes by about -Cov(log pi, its logits' change), and a policy-gradient step moves a logit with A; so
+    positive cov (a confident token of a rewarded row, a rare one of a punished row) is what lowers the
+    entropy at the position updated."""
     n = int(mask.sum())
     if n == 0:
         return mask.clone()
     mean_logp = (logp * mask).sum() / n
-    cov = ((logp - mean_logp) * (A - A.mean())[:, None]).masked_fill(~mask, -math.inf)
+    sign = 1 if fraction > 0 else -1   # the bottom by cov is the top by -cov
+    cov = (sign * (logp - mean_logp) * (A - A.mean())[:, None]).masked_fill(~mask, -math.inf)
     top = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
-    top[cov.flatten().topk(max(1, round(fraction * n))).indices] = True
+    top[cov.flatten().topk(max(1, round(abs(fraction) * n))).indices] = True
     return top.view_as(mask) & mask
 
 def spared_bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None,
@@ -247,7 +249,7 @@ def spared_bgpo_backward(model, prompts, completions, mc, old_terms, advantages,
     cov_detach: in each copy, the highest_covariance fraction of its masked positions keep their
         log-probability in the value of l_j but lose its gradient (Clip-Cov's detach, on KL-Cov's top-k
         choice; per copy of the ELBO rather than per token of one sequence, and the top fraction rather than
-        Clip-Cov's random share of a covariance band).
+        Clip-Cov's random share of a covariance band); negative: the lowest-covariance -cov_detach instead.
     entropy_coef: minus entropy_coef times the mean entropy of the copy's predictions at its masked
         positions, / n_t, joins the loss: a bonus for spread predictions where the ELBO looks.
     With both at 0 it is bgpo_backward with mc_chunk 1 (a test compares the two)."""
@@ -258,7 +260,7 @@ def spared_bgpo_backward(model, prompts, completions, mc, old_terms, advantages,
         y_t = completions.masked_fill(mask, model.config.mask_id)
         logq = model(torch.cat([prompts, y_t], dim=1))[:, P:].log_softmax(-1)              # (B, L, V)
         logp = logq.gather(-1, completions[..., None])[..., 0]                             # (B, L)
-        if cov_detach > 0:
+        if cov_detach:   # negative: the bottom by covariance
             detached = highest_covariance(logp.detach(), advantages.to(logp), mask, cov_detach)
             logp = torch.where(detached, logp.detach(), logp)
         terms = mc.weight[:, j:j + 1].to(logp) * (logp * mask).sum(-1, keepdim=True)       # (B, 1)

@@ -82,7 +82,7 @@ def make_parser():
            "1: the upper bound alone")
     a("--cov-detach", type=float, default=0.0,
       help="BGPO: in each masked copy, this fraction of its masked positions with the largest covariance of "
-           "log p and A lose their gradient (Clip-Cov-like); 0: off")
+           "log p and A lose their gradient (Clip-Cov-like); negative: the smallest; 0: off")
     a("--entropy-coef", type=float, default=0.0,
       help="BGPO: a bonus of this weight for the entropy of its predictions at masked positions; 0: off")
     a("--advantages", choices=list(ADVANTAGES), default="group",
@@ -129,8 +129,8 @@ def parse_args(argv=None):
             p.error(f"{flag} is an option of --objective bgpo, not {args.objective}")
         if value and args.mc_chunk != 1:
             p.error(f"{flag} runs one masked copy per backward: use it with --mc-chunk 1")
-    if not 0 <= args.cov_detach < 1:
-        p.error(f"--cov-detach must be in [0, 1), got {args.cov_detach}")
+    if not -1 < args.cov_detach < 1:
+        p.error(f"--cov-detach must be in (-1, 1), got {args.cov_detach}")
     if not args.entropy_coef >= 0:
         p.error(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
     if args.stp_tau is not None and not 0 < args.stp_tau <= 1:

@@ -48,6 +48,8 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "w-reinforce": ("lab.rl", ["--advantages", "w-reinforce", "--neg-weight", "1"]),  # +0.1 solved, -1 not
     "spg": ("lab.rl", ["--objective", "spg"]),                  # SPG: an upper bound of log pi where A < 0
     "cov-detach": ("lab.rl", ["--cov-detach", "0.02"]),         # BGPO, top 2% covariance positions detached
+    "cov-detach-20": ("lab.rl", ["--cov-detach", "0.2"]),       # ... the top 20%
+    "cov-detach-low-20": ("lab.rl", ["--cov-detach", "-0.2"]),  # ... the bottom 20%, the lowest covariance
     "entropy-bonus": ("lab.rl", ["--entropy-coef", "0.01"]),    # BGPO with an entropy bonus
 }
 

@@ -453,13 +453,14 @@ def test_the_entropy_levers_off_are_bgpo_backward(policy):
     got = spared_grads(model, (model, x, y, mc, old, A), clip_eps=0.2 if old is not None else None)
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), report(got, expected)
 
-def test_the_covariance_detach_drops_the_top_covariance_positions_gradient_worked_out_by_hand():
+@pytest.mark.parametrize("fraction", [0.25, -0.25])
+def test_the_covariance_detach_drops_the_top_covariance_positions_gradient_worked_out_by_hand(fraction):
     """On-policy the update is -mean_b (A_b / n_t) sum_j w_bj sum_{i masked} log p_bji / L; with cov_detach
     the chosen positions' terms leave the sum. The choice by hand: per copy, cov over its masked positions,
-    the top round(fraction x count)."""
+    the top round(fraction x count), or for a negative fraction the bottom."""
     setup = on_policy_setup(M=4)
     model, x, y, mc, _, A = setup
-    fraction, (B, M, L) = 0.25, mc.mask.shape
+    B, M, L = mc.mask.shape
     got = spared_grads(model, setup, cov_detach=fraction)
     model.zero_grad(set_to_none=True)
     total, chosen = 0.0, 0
@@ -471,7 +472,8 @@ def test_the_covariance_detach_drops_the_top_covariance_positions_gradient_worke
         positions = [(b, i) for b in range(B) for i in range(L) if mc.mask[b, j, i]]
         mean_logp = sum(values[b, i] for b, i in positions) / len(positions)
         cov = {(b, i): (values[b, i] - mean_logp) * (A[b] - A.mean()) for b, i in positions}
-        top = sorted(positions, key=lambda p: -cov[p])[:max(1, round(fraction * len(positions)))]
+        order = sorted(positions, key=lambda p: -cov[p])                              # highest first
+        top = (order if fraction > 0 else order[::-1])[:max(1, round(abs(fraction) * len(positions)))]
         chosen += len(top)
         kept = sum(mc.weight[b, j] * logp[b, i] * A[b] for b, i in positions if (b, i) not in top)
         total = total - kept / (M * L * B)
