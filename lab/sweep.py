@@ -395,7 +395,8 @@ def main(argv=None):
         jobs = plan(args, flags)
     except ValueError as e:
         p.error(str(e))
-    out_dir = rl.parse_args(flags).out_dir
+    run_args = rl.parse_args(flags)   # what every run is given
+    out_dir = run_args.out_dir
     print(f"sweep: {len(args.seeds)} seeds x {len(args.arms)} arms, {args.workers} workers x {args.threads} "
           f"thread(s); {sum(not j['done'] for j in jobs)} of {len(jobs)} jobs to run", flush=True)
     t0 = time.time()
@@ -419,8 +420,7 @@ def main(argv=None):
             print_table(more, args.reference, size, measure)
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
-    eval_size = rl.parse_args(flags).eval_size   # the runs' progress evaluations
-    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, eval_size), png)
+    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, run_args.eval_size), png)
     if not args.table_only:   # the record of the sweep that ran
         cli.write_json(os.path.join(out_dir, "sweep.json"),
                         {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})
