@@ -1024,6 +1024,16 @@ def dp_worker(rank, port, out_dir):
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
+# Not fork: a process forked after autograd has run on CUDA cannot run autograd ("Unable to handle autograd's
+# threading in combination with fork-based multiprocessing"), and on a GPU machine the tests before these ran
+# it. A forkserver is a fresh process that imports this module once; each child is forked from it.
+START_METHOD = "forkserver"
+
+def processes_context():
+    context = multiprocessing.get_context(START_METHOD)
+    context.set_forkserver_preload([__name__])
+    return context
+
 def free_port():
     """A TCP port nobody listens on now: the rendezvous address of two processes of a test."""
     with socket.socket() as s:
@@ -1034,8 +1044,9 @@ def free_port():
 def two_processes(tmp_path_factory):
     """What each of the two processes returned (a list by rank)."""
     out_dir, port = tmp_path_factory.mktemp("dp"), free_port()
-    # fork: the children start with this process's modules imported (spawn would import torch again in each)
-    torch.multiprocessing.start_processes(dp_worker, args=(port, str(out_dir)), nprocs=2, start_method="fork")
+    processes_context()
+    torch.multiprocessing.start_processes(dp_worker, args=(port, str(out_dir)), nprocs=2,
+                                          start_method=START_METHOD)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 def relative_difference(a, b):
@@ -1105,8 +1116,8 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
     assert len(torch.load(run_dir / "ckpt.pt", weights_only=True)["rng"]) == 2   # every process's stream
 
 def script_process(rank, port, argv, stderr_path):
-    """One of two processes as torchrun starts them (its environment), forked from this one, running bgpo.py
-    as a script: its __main__ block, with its stderr (Python's and the C++ runtime's) in a file."""
+    """One of two processes as torchrun starts them (its environment), started by processes_context, running
+    bgpo.py as a script: its __main__ block, with its stderr (Python's and the C++ runtime's) in a file."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -1119,8 +1130,8 @@ def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(t
     """--stage rl without an SFT model: a RunError on both processes, after they joined the group. Each
     prints one line and leaves the group with the other (no abort, no hang) and exits with code 2."""
     port = free_port()
-    argv, fork = DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)], multiprocessing.get_context("fork")
-    processes = [fork.Process(target=script_process, args=(rank, port, argv, tmp_path / f"stderr{rank}"))
+    argv, context = DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)], processes_context()
+    processes = [context.Process(target=script_process, args=(rank, port, argv, tmp_path / f"stderr{rank}"))
                  for rank in (0, 1)]
     for process in processes:
         process.start()
