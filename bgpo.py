@@ -18,6 +18,7 @@ Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size
 (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -174,6 +175,10 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
+# --size: the flags' defaults. gpu, for one consumer GPU (24 GB): 8 times the model (4.7M parameters), 4 times
+# the demonstrations and the rollouts per step, 5 times the RL steps. A flag given on the command line wins.
+SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
+                                eval_every=100)}
 
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
@@ -206,6 +211,11 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
+def autocast(args):
+    """--dtype bfloat16 (the default on CUDA): the forward passes under bf16 autocast, as nanoGPT's train.py
+    runs them. The matmuls run in bf16; the logits, and every ELBO term and bound after them, in float32."""
+    return torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=args.dtype == "bfloat16")
+
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
 
@@ -215,9 +225,10 @@ def evaluate(model, task, prompts, args, n_show=3):
     the first solved problem, if any, and the first unsolved ones."""
     mine = prompts[args.rank::args.world]   # data parallel: each process answers its share, then all see all
     batch_size = max(len(mine), 1) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
-    texts = [task.decode(y) for i in range(0, len(mine), batch_size)
-             for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
-                               task.gen_len).cpu()]
+    with autocast(args):
+        texts = [task.decode(y) for i in range(0, len(mine), batch_size)
+                 for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
+                                   task.gen_len).cpu()]
     rewards = [task.reward(prompt, text) for prompt, text in zip(mine, texts)]
     prompts, texts, rewards = [sum(share, []) for share in zip(*everyone([mine, texts, rewards], args))]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
@@ -299,7 +310,8 @@ def run_sft(args, task):
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
-        loss = sft_loss(model, *next(batches), generator=generator)
+        with autocast(args):
+            loss = sft_loss(model, *next(batches), generator=generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         [loss] = average_gradients(model, args, loss.item())
@@ -337,7 +349,8 @@ def sample_rollouts(model, task, prompts, args, generator):
     bounds: the update is the exact policy gradient of neither, as in the paper and DARE."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
-    y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
+    with autocast(args):
+        y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
@@ -354,6 +367,8 @@ def run_rl(args, task, model):
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
+    cuda = args.device.startswith("cuda")   # rollouts' and MC draws' random numbers: on CUDA, drawn there
+    noise = torch.Generator(args.device).manual_seed(generator.initial_seed() + 1) if cuda else generator
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     if args.resume:
@@ -362,7 +377,8 @@ def run_rl(args, task, model):
         optimizer.load_state_dict(state["optimizer"])
         if len(state["rng"]) != args.world:
             raise RunError(f"{ckpt_path} was saved by {len(state['rng'])} processes: resume it with as many")
-        generator.set_state(state["rng"][args.rank])
+        for stream, rng in zip((generator, noise), state["rng"][args.rank]):
+            stream.set_state(rng)
         start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
         print(f"resumed {ckpt_path} at step {state['step']}")
@@ -379,19 +395,20 @@ def run_rl(args, task, model):
         t0 = time.time()
         # 1. fresh training problems, and G completions of each from the current policy
         prompts = task.sample(B // G, "train", generator)[0]
-        x, y, rewards = sample_rollouts(model, task, prompts, args, generator)       # (B, P), (B, L), (B,)
+        x, y, rewards = sample_rollouts(model, task, prompts, args, noise)           # (B, P), (B, L), (B,)
         # 2. the verifier's rewards -> 3. group-relative advantages (Eq. 18)
         A = group_advantages(rewards, G).to(args.device)                            # (B,)
         A = torch.where(A < 0, NEG_WEIGHT * A, A)  # learn more from successes than from failures
         # 4. n_t masked copies of each completion, drawn once: the old and new policy see the same masks
-        mc = draw_mc_samples(B, L, args.mc_samples, generator).to(args.device)
+        mc = draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
         old_terms, clip_eps = None, None     # on-policy: the update's own terms, detached (log_ratio)
         if args.minibatches > 1:             # every update after the first is off-policy
-            with torch.no_grad():
+            with torch.no_grad(), autocast(args):
                 old_terms, clip_eps = elbo_terms(model, x, y, mc), CLIP_EPS                 # (B, M)
         # 5. the update, one per mini-batch of whole groups (one by default)
         losses = []
-        with ActivationMemory(model) as memory:
+        # the activation meter (the memory BGPO keeps flat) on the CPU; on CUDA its Python hooks cost time
+        with ActivationMemory(model) if not cuda else contextlib.nullcontext() as memory, autocast(args):
             for rows in torch.arange(B, device=A.device).chunk(args.minibatches):
                 keep = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal, leave it out
                 x_k, y_k, mc_k = x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
@@ -423,14 +440,17 @@ def run_rl(args, task, model):
                              .item(),   # groups with a solve and a miss: the only ones that teach to solve
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
-                             "activation_mb": memory.peak / 2**20, "seconds": time.time() - t0})
+                             "seconds": time.time() - t0})
+        r["cuda_peak_mb" if cuda else "activation_mb"] = (torch.cuda.max_memory_allocated(args.device) if cuda
+                                                          else memory.peak) / 2**20   # CUDA: the run's peak
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
-                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "
-                f"{r['seconds']:.2f} s")
+                f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | "
+                + (f"CUDA peak {r['cuda_peak_mb']:.0f} MiB" if cuda else f"act {r['activation_mb']:.1f} MiB")
+                + f" | {r['seconds']:.2f} s")
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
         if evaluation:
             line += " | " + held_out_eval(model, task, args, r)
-            rngs, saved = everyone(generator.get_state(), args), step   # every process's, for --resume
+            rngs, saved = everyone([generator.get_state(), noise.get_state()], args), step   # for --resume
         print(line)
         if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])   # no solve to learn from
@@ -448,7 +468,9 @@ def run_rl(args, task, model):
 def show_unmasking(model, task, prompt, args):
     """Print how the greedy sampler writes one answer: at every step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
-    y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len, return_steps=True)
+    with autocast(args):
+        y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len,
+                            return_steps=True)
     states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
                        for s in range(len(y[0])))
     print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; _ is MASK,"
@@ -474,8 +496,10 @@ def bench_memory(args, task):
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
-        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
-        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))
+        with autocast(args):
+            naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
+            bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A,
+                                                               mc_chunk=args.mc_chunk))
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
         out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
                                 if m is None)
@@ -501,8 +525,10 @@ def make_parser():
     run("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from SFT's checkpoint), both")
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    run("--size", choices=SIZES, default="cpu", help=f"the defaults of the flags below; gpu: {SIZES['gpu']}")
+    run("--dtype", choices=["float32", "bfloat16"], help="of the forward passes (None: bfloat16 on CUDA)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
-    run("--run-name", help="RL run folder in --out-dir (None: task_objective_ntM[_kK]_seedS[_Nprocesses])")
+    run("--run-name", help="the RL run's folder (None: task_objective_ntM[_kK]_seedS[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     run("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     run("--bench-memory", action="store_true", help="the naive vs BGPO memory and time table, then exit")
@@ -537,7 +563,7 @@ def check_args(p, args):
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}" \
-        + processes(args)
+        + ("_gpu" if args.size == "gpu" else "") + processes(args)
     task, ckpt = get_task(args.task), os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
@@ -561,6 +587,7 @@ def check_args(p, args):
     if args.device == "auto":
         args.device = ("cuda" if torch.cuda.is_available() else
                        "mps" if torch.backends.mps.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.world > 1:   # torchrun: each process on its own GPU (NCCL), or on the CPU (gloo)
         args.device = f"cuda:{os.environ['LOCAL_RANK']}" if args.device.startswith("cuda") else "cpu"
     try:
@@ -571,6 +598,7 @@ def check_args(p, args):
 
 def parse_args(argv=None):
     p = make_parser()
+    p.set_defaults(**SIZES[p.parse_known_args(argv)[0].size])   # --size's defaults; the flags given win
     return check_args(p, p.parse_args(argv))
 
 def sft_model(args, task):
@@ -590,7 +618,8 @@ def describe_run(args):
     return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
             "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
 
-NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
+NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
+               "size")
 
 def refuse_to_overwrite(args):
     """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
@@ -616,6 +645,8 @@ def refuse_to_overwrite(args):
 def main(argv=None):
     args = parse_args(argv)
     task, t0 = get_task(args.task), time.time()
+    if args.device.startswith("cuda"):   # as nanoGPT's train.py: TF32 for the matmuls left in float32
+        torch.set_float32_matmul_precision("high")
     if args.world > 1:  # under torchrun; after every check of the flags, so that a bad one never hangs
         if args.device.startswith("cuda"):
             torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device

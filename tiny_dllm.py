@@ -111,7 +111,9 @@ class TinyDLLM(nn.Module):
         h = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))
         for block in self.blocks:
             h = block(h)
-        logits = self.head(self.ln_f(h))
+        # under bf16 autocast the matmuls run in bf16; the logits come back in the weights' dtype (float32),
+        # so that every log-softmax, ELBO term and bound after them is computed in float32
+        logits = self.head(self.ln_f(h)).to(self.head.weight.dtype)
         return logits.masked_fill(self.never_predict, float("-inf"))
 
 # -----------------------------------------------------------------------------
@@ -119,7 +121,7 @@ class TinyDLLM(nn.Module):
 
 def mask_by_count(k, L, generator=None):
     """(N,) mask counts -> (N, L) bool masks with exactly k[n] positions chosen uniformly."""
-    scores = torch.rand(k.shape[0], L, generator=generator)
+    scores = torch.rand(k.shape[0], L, generator=generator, device=k.device)
     ranks = scores.argsort(dim=1).argsort(dim=1)  # a uniformly random permutation per row
     return ranks < k[:, None]
 
@@ -141,13 +143,14 @@ def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratifi
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
     B, L, M = batch_size, gen_len, n_t
+    device = "cpu" if generator is None else generator.device      # draws are made where the generator is
     if scheme == "stratified":
-        k0 = torch.randint(1, L + 1, (B, 1), generator=generator)
-        k = (k0 - 1 + torch.tensor([round(j * L / M) for j in range(M)])) % L + 1      # (B, M)
+        k0 = torch.randint(1, L + 1, (B, 1), generator=generator, device=device)
+        k = (k0 - 1 + torch.tensor([round(j * L / M) for j in range(M)], device=device)) % L + 1   # (B, M)
         return mask_by_count(k.flatten(), L, generator).view(B, M, L), L / k.to(torch.get_default_dtype())
     if scheme == "iid":
-        t = 1.0 - torch.rand(B, M, generator=generator)                  # in (0, 1]: never divide by zero
-        return torch.rand(B, M, L, generator=generator) < t[..., None], 1.0 / t
+        t = 1.0 - torch.rand(B, M, generator=generator, device=device)  # in (0, 1]: never divide by zero
+        return torch.rand(B, M, L, generator=generator, device=device) < t[..., None], 1.0 / t
     raise ValueError(f"scheme: expected 'stratified' or 'iid', got {scheme!r}")
 
 def masked_log_likelihood(model, prompts, completions, mask):
@@ -202,8 +205,9 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             logits = model(x).float()                                    # (B, T, V)
             if temperature == 0:
                 x0 = logits.argmax(-1)                                   # (B, T) a token everywhere
-            else:  # Gumbel-max sampling from softmax(logits / T); CPU noise: the same tokens on every device
-                u = torch.rand(logits.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+            else:  # Gumbel-max sampling from softmax(logits / T), the noise drawn where the generator is
+                device = "cpu" if generator is None else generator.device
+                u = torch.rand(logits.shape, generator=generator, device=device).clamp(1e-10, 1 - 1e-10)
                 x0 = (logits + temperature * -torch.log(-torch.log(u)).to(logits.device)).argmax(-1)
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]
             candidate = torch.zeros_like(x, dtype=torch.bool)

@@ -83,13 +83,14 @@ def check_args(p, args):
         if not ok:
             p.error(message)
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
-    named = args.run_name is not None
+    named, dtype = args.run_name is not None, args.dtype   # as given (check_args fills None from --device)
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
     if not named:   # bgpo.py's name and a hash of the other flags (the lab's too), as lab.rl names a run
         common = make_parser("", "")
         shared = argparse.Namespace(**{k: getattr(args, k) for k in vars(common.parse_args([]))
                                        if k not in NOT_RESULTS})
+        shared.dtype = dtype
         k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
         args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
                          + settings_hash(common, shared))
