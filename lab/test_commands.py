@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bgpo
-from lab import (bench_estimators, bench_memory, cli, compare, control, dtrpo_offline, figures, negatives,
-                 objectives, offpolicy, rl, sampler, stages)
+from lab import (bench_estimators, bench_memory, bench_step, cli, compare, control, dtrpo_offline, figures,
+                 negatives, objectives, offpolicy, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 
@@ -151,6 +151,37 @@ def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_pa
     assert rows["bgpo", 16] <= 1.1 * rows["bgpo", 1], "BGPO: one sample's graph at a time"
     assert all(rows[name, 16] > 8 * rows[name, 1] for name in ("naive", "stp", "spg")), (
         "one batch of n copies")
+
+def test_the_step_benchmarks_flop_count_is_the_tokens_its_step_passes_through_the_model(tmp_path):
+    """bench_step's FLOPs (nanoGPT's count, from the sizes) against one step's forward passes as the model
+    sees them: the rows and tokens of every call, with and without grad, times a token's cost by hand."""
+    args = bgpo.parse_args(tiny_argv(tmp_path, "--mc-chunk", "2"))
+    task, calls = get_task("arithmetic"), []
+    torch.manual_seed(0)
+    model = bgpo.make_model(task, args)
+    model.register_forward_hook(lambda m, inputs, out: calls.append((torch.is_grad_enabled(),
+                                                                     inputs[0].numel())))
+    optimizer = torch.optim.AdamW(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    bench_step.rl_step(model, optimizer, task, args, generator, generator, meter=True)
+    tokens = {grad: sum(n for g, n in calls if g == grad) for grad in (False, True)}
+    assert [g for g, _ in calls] == [False] * task.gen_len + [True] * 2   # the sampler's L passes; n_t 4 in 2
+    C, layers, T = 16, 1, task.prompt_len + task.gen_len
+    N = sum(p.numel() for name, p in model.named_parameters() if name != "pos_emb.weight")
+    forward = 2 * N + 4 * layers * T * C
+    assert bench_step.step_flops(model, task, args) == tokens[False] * forward + tokens[True] * 3 * forward
+
+def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, capsys):
+    rows = bench_step.main(tiny_argv(tmp_path, "--steps", "1", "--warmup", "0", "--peak-tflops", "1"))
+    out = capsys.readouterr().out
+    assert set(rows) == {"float32", "bgpo.py"} and all(r["s"] > 0 and 0 < r["mfu"] < 1 for r in rows.values())
+    assert "| float32, random numbers drawn on the CPU" in out and "| bgpo.py: float32" in out, out
+    for bad, message in [(["--steps", "0"], "--steps must be at least 1"),
+                         (["--size", "tpu"], "invalid choice")]:
+        with pytest.raises(SystemExit) as e:
+            bench_step.main(tiny_argv(tmp_path, *bad))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
 def test_memory_figure_holds_the_lines_it_draws():
     measured = lambda mb, s: {"mb": mb, "s": s, "cuda_mb": None}
