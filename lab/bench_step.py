@@ -42,20 +42,23 @@ def step_flops(model, task, args):
     return B * T * (task.gen_len + 3 * args.mc_samples) * forward
 
 def rl_step(model, optimizer, task, args, generator, noise, meter):
-    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards)."""
+    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards).
+    Returns the activation meter's peak bytes in the update (one MC copy's, or one --mc-chunk's), or None."""
     G, B, L = args.group_size, args.group_size * args.prompts_per_step, task.gen_len
     prompts = task.sample(B // G, "train", generator)[0]
     x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
     A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
     mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
     optimizer.zero_grad(set_to_none=True)
-    with ActivationMemory(model) if meter else contextlib.nullcontext(), bgpo.autocast(args):
+    with ActivationMemory(model) if meter else contextlib.nullcontext() as memory, bgpo.autocast(args):
         bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    return memory.peak if meter else None
 
 def time_path(task, args, path, bench):
-    """Median seconds per step of one path ("float32" or "bgpo.py") and, on CUDA, its peak MiB."""
+    """One path ("float32" or "bgpo.py"): median seconds per step, CUDA peak MiB (or None), the update's
+    activation MiB by the meter (or None where it is off), and the model."""
     cuda = args.device.startswith("cuda")
     args = argparse.Namespace(**{**vars(args), "dtype": "float32" if path == "float32" else args.dtype})
     torch.set_float32_matmul_precision("high" if cuda and path == "bgpo.py" else "highest")
@@ -74,12 +77,12 @@ def time_path(task, args, path, bench):
         if cuda:
             torch.cuda.synchronize(args.device)
         t0 = time.perf_counter()
-        rl_step(model, optimizer, task, args, generator, noise, meter=path == "float32" or not cuda)
+        activations = rl_step(model, optimizer, task, args, generator, noise, meter=not new_gpu_path)
         if cuda:
             torch.cuda.synchronize(args.device)
         seconds.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None
-    return statistics.median(seconds[bench.warmup:]), peak, model
+    return statistics.median(seconds[bench.warmup:]), peak, activations and activations / 2**20, model
 
 def peak_flops(args, bench):
     if bench.peak_tflops:
@@ -112,21 +115,24 @@ def main(argv=None):
     rows = {}
     for path in ("float32", "bgpo.py"):
         rows[path] = time_path(task, args, path, bench)
-    flops, B = step_flops(rows["bgpo.py"][2], task, args), args.group_size * args.prompts_per_step
-    print(f"model {rows['bgpo.py'][2].num_params() / 1e6:.2f}M parameters | {task.name}, {B} rollouts, "
+    model = rows["bgpo.py"][-1]
+    flops, B = step_flops(model, task, args), args.group_size * args.prompts_per_step
+    print(f"model {model.num_params() / 1e6:.2f}M parameters | {task.name}, {B} rollouts, "
           f"L = {task.gen_len}, n_t {args.mc_samples} | {flops / 1e12:.3f} TFLOP a step | {device}, "
           f"PyTorch {torch.__version__} | median of {bench.steps} steps after {bench.warmup}"
           + (f" | memory capped at {bench.cap_gib:g} GiB" if bench.cap_gib and cuda else ""))
-    print("  s/step speed-up     MFU" + (" CUDA peak MiB" if cuda else "") + " | path")
+    print("  s/step speed-up     MFU act MiB" + (" CUDA peak MiB" if cuda else "") + " | path")
     labels = {"float32": "float32, random numbers drawn on the CPU, activation meter (before the GPU lines)",
               "bgpo.py": f"bgpo.py: {args.dtype}" + (", TF32, random numbers on the GPU, no meter" if cuda
                                                      else "") + (", torch.compile" if bench.compile else "")}
-    for path, (seconds, cuda_mb, _) in rows.items():
+    for path, (seconds, cuda_mb, act_mb, _) in rows.items():
         mfu = f"{flops / seconds / peak:7.1%}" if peak else f"{'-':>7}"
-        print(f"{seconds:8.4f} {rows['float32'][0] / seconds:7.2f}x {mfu}"
-              + (f" {cuda_mb:13.0f}" if cuda else "") + f" | {labels[path]}")
-    return {path: {"s": seconds, "cuda_mb": cuda_mb, "mfu": flops / seconds / peak if peak else None}
-            for path, (seconds, cuda_mb, _) in rows.items()}
+        print(f"{seconds:8.4f} {rows['float32'][0] / seconds:7.2f}x {mfu} "
+              + (f"{act_mb:7.1f}" if act_mb else f"{'-':>7}") + (f" {cuda_mb:13.0f}" if cuda else "")
+              + f" | {labels[path]}")
+    return {path: {"s": seconds, "cuda_mb": cuda_mb, "act_mb": act_mb,
+                   "mfu": flops / seconds / peak if peak else None}
+            for path, (seconds, cuda_mb, act_mb, _) in rows.items()}
 
 if __name__ == "__main__":
     cli.command_line(main, "python -m lab.bench_step")

@@ -175,6 +175,7 @@ def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, ca
     rows = bench_step.main(tiny_argv(tmp_path, "--steps", "1", "--warmup", "0", "--peak-tflops", "1"))
     out = capsys.readouterr().out
     assert set(rows) == {"float32", "bgpo.py"} and all(r["s"] > 0 and 0 < r["mfu"] < 1 for r in rows.values())
+    assert rows["float32"]["act_mb"] == rows["bgpo.py"]["act_mb"] > 0   # the CPU: one path, metered
     assert "| float32, random numbers drawn on the CPU" in out and "| bgpo.py: float32" in out, out
     for bad, message in [(["--steps", "0"], "--steps must be at least 1"),
                          (["--size", "tpu"], "invalid choice")]:
