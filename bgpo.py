@@ -175,10 +175,8 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
-# --size: the flags' defaults. gpu, for one consumer GPU (24 GB): 8 times the model (4.7M parameters), 4 times
-# the demonstrations and the rollouts per step, 5 times the RL steps. A flag given on the command line wins.
-SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
-                                eval_every=100)}
+# --size gpu: one consumer GPU (24 GB). A flag given on the command line wins over its size's default.
+SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000)}
 
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
@@ -211,9 +209,7 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
-def autocast(args):
-    """--dtype bfloat16 (the default on CUDA): the forward passes under bf16 autocast, as nanoGPT's train.py
-    runs them. The matmuls run in bf16; the logits, and every ELBO term and bound after them, in float32."""
+def autocast(args):   # --dtype bfloat16, CUDA's default: matmuls in bf16, logits and all after in float32
     return torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=args.dtype == "bfloat16")
 
 def held_out(task, args):
@@ -433,20 +429,17 @@ def run_rl(args, task, model):
                 losses.append(loss)
         rewards = torch.cat(everyone(rewards, args))   # the log is over every process's rollouts
         groups = rewards.view(-1, G)
-        records.append(r := {"step": step, "reward": rewards.mean().item(),
+        records.append(r := {"step": step, "seconds": time.time() - t0, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
                              "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
                              "solve_groups": ((groups == 1).any(1) & (groups < 1).any(1)).double().mean()
                              .item(),   # groups with a solve and a miss: the only ones that teach to solve
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
-                             "seconds": time.time() - t0})
-        r["cuda_peak_mb" if cuda else "activation_mb"] = (torch.cuda.max_memory_allocated(args.device) if cuda
-                                                          else memory.peak) / 2**20   # CUDA: the run's peak
+                             "activation_mb": None if cuda else memory.peak / 2**20})   # CUDA: no meter
         line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | "
-                + (f"CUDA peak {r['cuda_peak_mb']:.0f} MiB" if cuda else f"act {r['activation_mb']:.1f} MiB")
-                + f" | {r['seconds']:.2f} s")
+                + ("" if cuda else f"act {r['activation_mb']:.1f} MiB | ") + f"{r['seconds']:.2f} s")
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
         if evaluation:
             line += " | " + held_out_eval(model, task, args, r)
@@ -498,8 +491,7 @@ def bench_memory(args, task):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
         with autocast(args):
             naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
-            bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A,
-                                                               mc_chunk=args.mc_chunk))
+            bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk))
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
         out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
                                 if m is None)
@@ -572,9 +564,8 @@ def check_args(p, args):
     if args.mc_chunk > args.mc_samples and not args.bench_memory:   # the table's n_t go from 1 to 64
         p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
     if args.prompts_per_step % (args.world * args.minibatches):
-        p.error((f"{args.world} processes x " if args.world > 1 else "") + f"--minibatches "
-                f"{args.minibatches} must divide --prompts-per-step {args.prompts_per_step} (a mini-batch is "
-                "whole groups)")
+        p.error((f"{args.world} processes x " if args.world > 1 else "") + f"--minibatches {args.minibatches}"
+                f" must divide --prompts-per-step {args.prompts_per_step} (whole groups each)")
     if SFT_BATCH % args.world:
         p.error(f"{args.world} processes must divide the SFT batch of {SFT_BATCH}")
     if args.resume and (args.stage == "sft" or args.overwrite):
@@ -618,8 +609,7 @@ def describe_run(args):
     return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
             "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
 
-NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
-               "size")
+NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
 
 def refuse_to_overwrite(args):
     """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
@@ -645,8 +635,7 @@ def refuse_to_overwrite(args):
 def main(argv=None):
     args = parse_args(argv)
     task, t0 = get_task(args.task), time.time()
-    if args.device.startswith("cuda"):   # as nanoGPT's train.py: TF32 for the matmuls left in float32
-        torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")  # CUDA: TF32
     if args.world > 1:  # under torchrun; after every check of the flags, so that a bad one never hangs
         if args.device.startswith("cuda"):
             torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device
@@ -670,7 +659,9 @@ def main(argv=None):
         return model
     history = run_rl(args, task, model)   # the records with a held-out evaluation: step 0 is the SFT model
     print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
-          f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
+          f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device}"
+          + (f", CUDA peak {torch.cuda.max_memory_allocated(args.device) / 2**20:,.0f} MiB" if
+             args.device.startswith("cuda") else "") + ")\n"
           f"files: {sft_path(args)}, {os.path.join(args.out_dir, args.run_name)}/{{ckpt.pt,log.jsonl}}")
     return history
 
