@@ -209,9 +209,6 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
-def autocast(args):   # --dtype bfloat16, CUDA's default: matmuls in bf16, logits and all after in float32
-    return torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=args.dtype == "bfloat16")
-
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
 
@@ -221,10 +218,9 @@ def evaluate(model, task, prompts, args, n_show=3):
     the first solved problem, if any, and the first unsolved ones."""
     mine = prompts[args.rank::args.world]   # data parallel: each process answers its share, then all see all
     batch_size = max(len(mine), 1) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
-    with autocast(args):
-        texts = [task.decode(y) for i in range(0, len(mine), batch_size)
-                 for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
-                                   task.gen_len).cpu()]
+    texts = [task.decode(y) for i in range(0, len(mine), batch_size)
+             for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
+                               task.gen_len).cpu()]
     rewards = [task.reward(prompt, text) for prompt, text in zip(mine, texts)]
     prompts, texts, rewards = [sum(share, []) for share in zip(*everyone([mine, texts, rewards], args))]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
@@ -267,10 +263,10 @@ def processes(args):   # under torchrun, other random draws: the runs' files get
 
 def sft_path(args):
     """The SFT checkpoint's name records every flag that changes the kept model: --stage all reuses it."""
-    patience = f"p{SFT_PATIENCE}m{SFT_MIN_STEPS[args.task]}"
+    stop, bf16 = f"p{SFT_PATIENCE}m{SFT_MIN_STEPS[args.task]}", "_bf16" if args.dtype == "bfloat16" else ""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
-                        f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}{patience}_l{args.n_layer}"
-                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}.pt")
+                        f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}{stop}_l{args.n_layer}"
+                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}{bf16}.pt")
 
 def sft_batches(task, args, generator):
     """Endless (x, y) SFT batches drawn with replacement from the --demos demonstrations (training problems
@@ -306,8 +302,7 @@ def run_sft(args, task):
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
-        with autocast(args):
-            loss = sft_loss(model, *next(batches), generator=generator)
+        loss = sft_loss(model, *next(batches), generator=generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         [loss] = average_gradients(model, args, loss.item())
@@ -345,8 +340,7 @@ def sample_rollouts(model, task, prompts, args, generator):
     bounds: the update is the exact policy gradient of neither, as in the paper and DARE."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
-    with autocast(args):
-        y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
+    y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
@@ -373,7 +367,10 @@ def run_rl(args, task, model):
         optimizer.load_state_dict(state["optimizer"])
         if len(state["rng"]) != args.world:
             raise RunError(f"{ckpt_path} was saved by {len(state['rng'])} processes: resume it with as many")
-        for stream, rng in zip((generator, noise), state["rng"][args.rank]):
+        rngs = state["rng"][args.rank]   # generator's and noise's (on CUDA a GPU generator's: 16 bytes)
+        if not isinstance(rngs, list) or len(rngs[1]) != len(noise.get_state()):
+            raise RunError(f"{ckpt_path} holds the random streams of another device or an older bgpo.py")
+        for stream, rng in zip((generator, noise), rngs):
             stream.set_state(rng)
         start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
@@ -396,15 +393,14 @@ def run_rl(args, task, model):
         A = group_advantages(rewards, G).to(args.device)                            # (B,)
         A = torch.where(A < 0, NEG_WEIGHT * A, A)  # learn more from successes than from failures
         # 4. n_t masked copies of each completion, drawn once: the old and new policy see the same masks
-        mc = draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
+        mc = draw_mc_samples(B, L, args.mc_samples, noise)   # on noise's device: the model's
         old_terms, clip_eps = None, None     # on-policy: the update's own terms, detached (log_ratio)
         if args.minibatches > 1:             # every update after the first is off-policy
-            with torch.no_grad(), autocast(args):
+            with torch.no_grad():
                 old_terms, clip_eps = elbo_terms(model, x, y, mc), CLIP_EPS                 # (B, M)
         # 5. the update, one per mini-batch of whole groups (one by default)
         losses = []
-        # the activation meter (the memory BGPO keeps flat) on the CPU; on CUDA its Python hooks cost time
-        with ActivationMemory(model) if not cuda else contextlib.nullcontext() as memory, autocast(args):
+        with contextlib.nullcontext() if cuda else ActivationMemory(model) as memory:   # CUDA: no hooks' time
             for rows in torch.arange(B, device=A.device).chunk(args.minibatches):
                 keep = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal, leave it out
                 x_k, y_k, mc_k = x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
@@ -461,9 +457,7 @@ def run_rl(args, task, model):
 def show_unmasking(model, task, prompt, args):
     """Print how the greedy sampler writes one answer: at every step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
-    with autocast(args):
-        y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len,
-                            return_steps=True)
+    y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len, return_steps=True)
     states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
                        for s in range(len(y[0])))
     print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; _ is MASK,"
@@ -489,9 +483,8 @@ def bench_memory(args, task):
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
-        with autocast(args):
-            naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
-            bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk))
+        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
+        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
         out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
                                 if m is None)
@@ -578,13 +571,14 @@ def check_args(p, args):
     if args.device == "auto":
         args.device = ("cuda" if torch.cuda.is_available() else
                        "mps" if torch.backends.mps.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.world > 1:   # torchrun: each process on its own GPU (NCCL), or on the CPU (gloo)
         args.device = f"cuda:{os.environ['LOCAL_RANK']}" if args.device.startswith("cuda") else "cpu"
     try:
         torch.empty(0, device=args.device)
     except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
         p.error(f"--device {args.device} is not available here")
+    native_bf16 = args.device.startswith("cuda") and torch.cuda.get_device_capability(args.device) >= (8, 0)
+    args.dtype = args.dtype or ("bfloat16" if native_bf16 else "float32")   # bf16 tensor cores: Ampere on
     return args
 
 def parse_args(argv=None):
@@ -634,13 +628,19 @@ def refuse_to_overwrite(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    task, t0 = get_task(args.task), time.time()
-    torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")  # CUDA: TF32
     if args.world > 1:  # under torchrun; after every check of the flags, so that a bad one never hangs
         if args.device.startswith("cuda"):
             torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice (errors: every one)
+    # The GPU path, set up as in nanoGPT's train.py: TF32 matmuls; with --dtype bfloat16 (CUDA's default from
+    # Ampere on) forward passes under bf16 autocast, to float32 logits (TinyDLLM): the ELBO terms are float32
+    torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")
+    with torch.autocast(args.device.split(":")[0], torch.bfloat16) if args.dtype == "bfloat16" else \
+            contextlib.nullcontext():
+        return job(args, get_task(args.task), time.time())
+
+def job(args, task, t0):   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL
     if args.bench_memory:
         return bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's

@@ -6,7 +6,7 @@ are in lab/test_*.py; one command runs both.
     python -m pytest -q                     # all of them, with the lab's
     python -m pytest -q -s -k equivalence   # the on-policy equivalence demos, printing what each compares
 """
-import argparse
+import contextlib
 import copy
 import datetime
 import itertools
@@ -376,8 +376,8 @@ def test_equivalence_on_policy_old_terms_can_come_from_the_updates_own_forward(l
         report(*grad.values())
 
 def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive_gradient_on_policy():
-    """The GPU path (--dtype bfloat16, the default on CUDA): BGPO's update with its forward passes under bf16
-    autocast, against the naive objective's in float32, on-policy, on the default model and a Countdown batch.
+    """The GPU path (--dtype bfloat16, the default on CUDA): BGPO's update under bf16 autocast, as bgpo.main
+    runs it, against the naive objective's in float32, on-policy, on the default model and a Countdown batch.
     bf16 keeps 7 bits of fraction (a rounding of up to 2^-8 = 0.4% per value), so the two gradients differ by
     about that: within 2% (0.48% measured here). The ELBO terms stay float32."""
     torch.set_default_dtype(torch.float32)   # the float64 fixture restores its dtype after the test
@@ -391,7 +391,7 @@ def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive
     for name, dtype in [("naive, float32", "float32"), ("BGPO, float32", "float32"),
                         ("BGPO, bf16", "bfloat16")]:
         model.zero_grad()
-        with bgpo.autocast(argparse.Namespace(device="cpu", dtype=dtype)):
+        with torch.autocast("cpu", torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext():
             assert elbo_terms(model, x, y, mc).dtype == torch.float32
             if name.startswith("naive"):
                 naive_loss(model, x, y, mc, None, A).backward()
@@ -814,6 +814,23 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path):
     assert [r["step"] for r in logs[1]] == [0, 1, 2, 3, 4]                # step 0 (the SFT model), then 1-4
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in logs[0]] == \
            [{k: v for k, v in r.items() if k != "seconds"} for r in logs[1]]
+
+@pytest.mark.parametrize("streams", ["one tensor, as the code before the GPU path saved them",
+                                     "a GPU generator's 16 bytes, as a run on CUDA saves them"])
+def test_a_resume_from_random_streams_of_another_device_or_older_code_exits_2(tmp_path, streams):
+    """The checkpoint holds each process's [generator state, noise state]; the noise generator is the CPU one
+    on the CPU and a GPU one on CUDA. A state this run cannot take is a RunError (one line, exit code 2), not
+    a traceback from inside Generator.set_state."""
+    argv = tiny_argv(tmp_path, "--rl-steps", "1")
+    bgpo.main(argv)
+    path = tmp_path / bgpo.parse_args(argv).run_name / "ckpt.pt"
+    state = torch.load(path, weights_only=True)
+    generator_state = state["rng"][0][0]
+    gpu_state = torch.zeros(16, dtype=torch.uint8)
+    state["rng"] = [generator_state] if streams.startswith("one") else [[generator_state, gpu_state]]
+    torch.save(state, path)
+    with pytest.raises(bgpo.RunError, match="holds the random streams of another device or an older bgpo.py"):
+        bgpo.main(tiny_argv(tmp_path, "--rl-steps", "2", "--resume", "--stage", "rl"))
 
 def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
     bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1"))

@@ -31,7 +31,9 @@ from lab import cli
 from tasks import get_task
 from tiny_dllm import ActivationMemory
 
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "4090": 165.2, "L4": 121.0}  # dense bf16, by name
+# dense bf16 TFLOP/s (float32 accumulation), NVIDIA's data sheets: the first key the device's name contains
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "L40": 181.0,
+               "L4": 121.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
 
 def step_flops(model, task, args):
     """The model FLOPs of one step by nanoGPT's count: the sampler's gen_len forward passes over the B rows
@@ -41,31 +43,37 @@ def step_flops(model, task, args):
     forward = 2 * N + 4 * args.n_layer * T * C          # a token's forward pass
     return B * T * (task.gen_len + 3 * args.mc_samples) * forward
 
+def autocast(args):   # bgpo.main's (a copy): bf16 autocast on --dtype bfloat16
+    bf16 = args.dtype == "bfloat16"
+    return torch.autocast(args.device.split(":")[0], torch.bfloat16) if bf16 else contextlib.nullcontext()
+
 def rl_step(model, optimizer, task, args, generator, noise, meter):
-    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards).
-    Returns the activation meter's peak bytes in the update (one MC copy's, or one --mc-chunk's), or None."""
+    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards),
+    under bgpo.main's autocast. Returns the activation meter's peak bytes in the update (one MC copy's, or one
+    --mc-chunk's), or None."""
     G, B, L = args.group_size, args.group_size * args.prompts_per_step, task.gen_len
-    prompts = task.sample(B // G, "train", generator)[0]
-    x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
-    A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
-    mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
-    optimizer.zero_grad(set_to_none=True)
-    with ActivationMemory(model) if meter else contextlib.nullcontext() as memory, bgpo.autocast(args):
-        bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    with autocast(args):
+        prompts = task.sample(B // G, "train", generator)[0]
+        x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
+        A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
+        mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
+        optimizer.zero_grad(set_to_none=True)
+        with ActivationMemory(model) if meter else contextlib.nullcontext() as memory:
+            bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
     return memory.peak if meter else None
 
 def time_path(task, args, path, bench):
-    """One path ("float32" or "bgpo.py"): median seconds per step, CUDA peak MiB (or None), the update's
-    activation MiB by the meter (or None where it is off), and the model."""
+    """One path ("float32" or "bgpo.py"), timed: {"s": median seconds per step, "cuda_mb": CUDA peak MiB
+    or None, "act_mb": the update's activation MiB by the meter or None, "flops": a step's, "params"}.
+    The model goes when it returns: the next path does not share the memory (or the cap) with it."""
     cuda = args.device.startswith("cuda")
     args = argparse.Namespace(**{**vars(args), "dtype": "float32" if path == "float32" else args.dtype})
     torch.set_float32_matmul_precision("high" if cuda and path == "bgpo.py" else "highest")
     torch.manual_seed(args.seed)
     model = bgpo.make_model(task, args)
-    if bench.compile and path == "bgpo.py":
-        model.compile()
+    step_model = torch.compile(model) if bench.compile and path == "bgpo.py" else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1)
     new_gpu_path = cuda and path == "bgpo.py"
@@ -77,12 +85,13 @@ def time_path(task, args, path, bench):
         if cuda:
             torch.cuda.synchronize(args.device)
         t0 = time.perf_counter()
-        activations = rl_step(model, optimizer, task, args, generator, noise, meter=not new_gpu_path)
+        activations = rl_step(step_model, optimizer, task, args, generator, noise, meter=not new_gpu_path)
         if cuda:
             torch.cuda.synchronize(args.device)
         seconds.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None
-    return statistics.median(seconds[bench.warmup:]), peak, activations and activations / 2**20, model
+    return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
+            "cuda_mb": torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None,
+            "flops": step_flops(model, task, args), "params": model.num_params()}
 
 def peak_flops(args, bench):
     if bench.peak_tflops:
@@ -112,12 +121,9 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(min(1.0, bench.cap_gib * 2**30 / total), args.device)
     device = torch.cuda.get_device_name(args.device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak = peak_flops(args, bench)
-    rows = {}
-    for path in ("float32", "bgpo.py"):
-        rows[path] = time_path(task, args, path, bench)
-    model = rows["bgpo.py"][-1]
-    flops, B = step_flops(model, task, args), args.group_size * args.prompts_per_step
-    print(f"model {model.num_params() / 1e6:.2f}M parameters | {task.name}, {B} rollouts, "
+    rows = {path: time_path(task, args, path, bench) for path in ("float32", "bgpo.py")}
+    flops, B = rows["bgpo.py"]["flops"], args.group_size * args.prompts_per_step
+    print(f"model {rows['bgpo.py']['params'] / 1e6:.2f}M parameters | {task.name}, {B} rollouts, "
           f"L = {task.gen_len}, n_t {args.mc_samples} | {flops / 1e12:.3f} TFLOP a step | {device}, "
           f"PyTorch {torch.__version__} | median of {bench.steps} steps after {bench.warmup}"
           + (f" | memory capped at {bench.cap_gib:g} GiB" if bench.cap_gib and cuda else ""))
@@ -125,14 +131,13 @@ def main(argv=None):
     labels = {"float32": "float32, random numbers drawn on the CPU, activation meter (before the GPU lines)",
               "bgpo.py": f"bgpo.py: {args.dtype}" + (", TF32, random numbers on the GPU, no meter" if cuda
                                                      else "") + (", torch.compile" if bench.compile else "")}
-    for path, (seconds, cuda_mb, act_mb, _) in rows.items():
-        mfu = f"{flops / seconds / peak:7.1%}" if peak else f"{'-':>7}"
-        print(f"{seconds:8.4f} {rows['float32'][0] / seconds:7.2f}x {mfu} "
-              + (f"{act_mb:7.1f}" if act_mb else f"{'-':>7}") + (f" {cuda_mb:13.0f}" if cuda else "")
-              + f" | {labels[path]}")
-    return {path: {"s": seconds, "cuda_mb": cuda_mb, "act_mb": act_mb,
-                   "mfu": flops / seconds / peak if peak else None}
-            for path, (seconds, cuda_mb, act_mb, _) in rows.items()}
+    for path, row in rows.items():
+        row["mfu"] = flops / row["s"] / peak if peak else None
+        print(f"{row['s']:8.4f} {rows['float32']['s'] / row['s']:7.2f}x "
+              + (f"{row['mfu']:7.1%} " if peak else f"{'-':>7} ") + (f"{row['act_mb']:7.1f}" if row["act_mb"]
+                                                                   else f"{'-':>7}")
+              + (f" {row['cuda_mb']:13.0f}" if cuda else "") + f" | {labels[path]}")
+    return rows
 
 if __name__ == "__main__":
     cli.command_line(main, "python -m lab.bench_step")

@@ -42,7 +42,7 @@ def make_parser(prog, description):
 # goes into the run's name as a hash. bgpo.py names its runs in words only.
 IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
 NOT_RESULTS = bgpo.NOT_RESULTS + ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size",
-                                  "track_answers")
+                                  "track_answers", "size", "dtype")   # the lab: float32, sizes flag by flag
 
 def settings_hash(p, args):
     """"_" and a short hash of every other flag of p that differs from its default ("" if none): two lab
@@ -82,15 +82,17 @@ def check_args(p, args):
              f"--gen-steps must be in {blocks}..{L} (a step per block at least), got {args.gen_steps}")]:
         if not ok:
             p.error(message)
+    if args.size != "cpu" or args.dtype == "bfloat16":
+        p.error("--size gpu and --dtype bfloat16 are bgpo.py's: the lab runs float32, its sizes flag by flag")
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
-    named, dtype = args.run_name is not None, args.dtype   # as given (check_args fills None from --device)
+    named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
+    tutorial.dtype = "float32"   # bgpo.main's autocast is not the lab's: its runs record what they run
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
     if not named:   # bgpo.py's name and a hash of the other flags (the lab's too), as lab.rl names a run
         common = make_parser("", "")
         shared = argparse.Namespace(**{k: getattr(args, k) for k in vars(common.parse_args([]))
                                        if k not in NOT_RESULTS})
-        shared.dtype = dtype
         k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
         args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
                          + settings_hash(common, shared))

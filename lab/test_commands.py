@@ -288,6 +288,8 @@ def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, comm
     (["--block-len", "2", "--gen-steps", "1"], "--gen-steps must be in 2..4"),
     (["--bench-repeats", "0"], "--bench-repeats must be a positive integer"),
     (["--mc-samples", "0"], "--mc-samples must be at least 1"),
+    (["--size", "gpu"], "--size gpu and --dtype bfloat16 are bgpo.py's: the lab runs float32"),
+    (["--dtype", "bfloat16"], "--size gpu and --dtype bfloat16 are bgpo.py's"),
 ])
 def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
