@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import runpy
@@ -1096,6 +1097,13 @@ def processes_context():
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload([__name__])
     return context
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_started_early():
+    """The forkserver starts with this module's first test, and imports this module while the tests before the
+    data-parallel ones run (it forks their processes later, when they ask)."""
+    processes_context()
+    multiprocessing.forkserver.ensure_running()
 
 def free_port():
     """A TCP port nobody listens on now: the rendezvous address of two processes of a test."""
