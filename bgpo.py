@@ -511,7 +511,7 @@ def make_parser():
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     run("--size", choices=SIZES, default="cpu", help=f"the defaults of the flags below; gpu: {SIZES['gpu']}")
-    run("--dtype", choices=["float32", "bfloat16"], help="of the forward passes (None: bf16 on CUDA, Ampere on)")
+    run("--dtype", choices=["float32", "bfloat16"], help="forward passes (None: bf16 on CUDA, Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
     run("--run-name", help="the RL run's folder (None: task_objective_ntM[_kK]_seedS[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
