@@ -231,8 +231,7 @@ def evaluate(model, task, prompts, args, n_show=3):
 def write_text(path, text, save=None):
     """text, or what save(file name) writes, to a temporary file renamed to path: never a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    if save is None:
-        save = lambda tmp: pathlib.Path(tmp).write_text(text)
+    save = save or (lambda tmp: pathlib.Path(tmp).write_text(text))
     save(path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -634,10 +633,11 @@ def main(argv=None):
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice (errors: every one)
     # The GPU path, set up as in nanoGPT's train.py: TF32 matmuls; with --dtype bfloat16 (CUDA's default from
-    # Ampere on) forward passes under bf16 autocast, to float32 logits (TinyDLLM): the ELBO terms are float32
+    # Ampere on) forward passes under bf16 autocast, to float32 logits (TinyDLLM): the ELBO terms are float32.
+    # No weight cache: this region spans every optimizer step, and a cached bf16 weight keeps its first value.
     torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")
-    with torch.autocast(args.device.split(":")[0], torch.bfloat16) if args.dtype == "bfloat16" else \
-            contextlib.nullcontext():
+    with torch.autocast(args.device.split(":")[0], torch.bfloat16, cache_enabled=False) \
+            if args.dtype == "bfloat16" else contextlib.nullcontext():
         return job(args, get_task(args.task), time.time())
 
 def job(args, task, t0):   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL

@@ -406,6 +406,30 @@ def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive
     assert rel["BGPO, float32"] < 1e-5, rel
     assert 1e-4 < rel["BGPO, bf16"] < 2e-2, rel   # above 1e-4: bf16 did run (float32 agrees to 1e-7)
 
+def test_bf16_autocast_in_main_computes_with_the_weights_each_step_leaves(tmp_path, monkeypatch):
+    """bgpo.main runs SFT and RL inside one bf16 autocast region (--dtype bfloat16). With autocast's weight
+    cache on, the bf16 copy of a weight made at its first use would serve the whole region: the model would
+    compute with its first weights however the optimizer moved them. Inside main's region: a forward, the
+    weights moved, a forward again, against the moved model's forward in a region of its own."""
+    torch.set_default_dtype(torch.float32)   # the float64 fixture restores its dtype after the test
+
+    def probe(args, task, t0):   # what main runs in its region, in place of the job
+        torch.manual_seed(0)
+        model = bgpo.make_model(task, args)
+        x = bgpo.encode(task, task.sample(4, "train", 0)[0])
+        before = model(x)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2.0)
+        return model, x, before, model(x)
+
+    monkeypatch.setattr(bgpo, "job", probe)
+    model, x, before, after = bgpo.main(tiny_argv(tmp_path, "--dtype", "bfloat16"))
+    with torch.autocast("cpu", torch.bfloat16):
+        fresh = model(x)
+    assert after.dtype == torch.float32 and not torch.allclose(before, after)
+    assert torch.equal(after, fresh), report(after.nan_to_num(), fresh.nan_to_num())
+
 def test_equivalence_naive_gradient_is_the_sum_of_one_backward_per_mc_sample_on_policy():
     """On-policy every d_j = 0, so grad R_hat = (A / n_t) sum_j grad l_j / L: the naive objective's gradient
     is n_t separate backward passes, one per MC sample, added up. Written out by hand here, in a loop."""

@@ -43,9 +43,10 @@ def step_flops(model, task, args):
     forward = 2 * N + 4 * args.n_layer * T * C          # a token's forward pass
     return B * T * (task.gen_len + 3 * args.mc_samples) * forward
 
-def autocast(args):   # bgpo.main's (a copy): bf16 autocast on --dtype bfloat16
+def autocast(args):   # bgpo.main's (a copy): bf16 autocast on --dtype bfloat16, no weight cache
     bf16 = args.dtype == "bfloat16"
-    return torch.autocast(args.device.split(":")[0], torch.bfloat16) if bf16 else contextlib.nullcontext()
+    return torch.autocast(args.device.split(":")[0], torch.bfloat16, cache_enabled=False) if bf16 else \
+        contextlib.nullcontext()
 
 def rl_step(model, optimizer, task, args, generator, noise, meter):
     """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards),
