@@ -377,8 +377,9 @@ def test_equivalence_on_policy_old_terms_can_come_from_the_updates_own_forward(l
         report(*grad.values())
 
 def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive_gradient_on_policy():
-    """The GPU path (--dtype bfloat16, CUDA's default from Ampere on): BGPO's update under bf16 autocast, as main
-    runs it, against the naive objective's in float32, on-policy, on the default model and a Countdown batch.
+    """The GPU path (--dtype bfloat16, CUDA's default from Ampere on): BGPO's update under bf16 autocast, as
+    main runs it, against the naive objective's in float32, on-policy, on the default model and a Countdown
+    batch.
     bf16 keeps 7 bits of fraction (a rounding of up to 2^-8 = 0.4% per value), so the two gradients differ by
     about that: within 2% (0.48% measured here). The ELBO terms stay float32."""
     torch.set_default_dtype(torch.float32)   # the float64 fixture restores its dtype after the test
