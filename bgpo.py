@@ -175,8 +175,10 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
-# --size gpu: one consumer GPU (24 GB). A flag given on the command line wins over its size's default.
-SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000)}
+# --size gpu: one consumer GPU (24 GB); a flag given wins over its size's default. An update is one pass over
+# the 8 MC copies (~5 GiB in bf16) and all the rows (A = 0 adds nothing): fewer kernels, a shape that stays.
+SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
+                                mc_chunk=8, skip_tied=False)}
 
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
@@ -209,6 +211,14 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
+def autocast(args):
+    """With --dtype bfloat16, nanoGPT's mixed precision: bf16 autocast (TinyDLLM's logits come back float32).
+    It casts each weight once a region and keeps the copy: a region holds a phase in which the weights do
+    not move (a sampling, an update's passes), never an optimizer step."""
+    if args.dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(args.device.split(":")[0], torch.bfloat16)
+
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
 
@@ -218,9 +228,10 @@ def evaluate(model, task, prompts, args, n_show=3):
     the first solved problem, if any, and the first unsolved ones."""
     mine = prompts[args.rank::args.world]   # data parallel: each process answers its share, then all see all
     batch_size = max(len(mine), 1) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
-    texts = [task.decode(y) for i in range(0, len(mine), batch_size)
-             for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
-                               task.gen_len).cpu()]
+    with autocast(args):
+        texts = [task.decode(y) for i in range(0, len(mine), batch_size)
+                 for y in generate(model, encode(task, mine[i:i + batch_size], device=args.device),
+                                   task.gen_len).cpu()]
     rewards = [task.reward(prompt, text) for prompt, text in zip(mine, texts)]
     prompts, texts, rewards = [sum(share, []) for share in zip(*everyone([mine, texts, rewards], args))]
     solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
@@ -275,8 +286,12 @@ def sft_batches(task, args, generator):
         yield encode(task, *task.sample(n, "train", generator), device=args.device)
     x, y = encode(task, *task.sample(args.demos, "train", 10_000 + args.seed), device=args.device)
     while True:
-        rows = torch.randint(args.demos, (n,), generator=generator).to(args.device)
+        rows = torch.randint(args.demos, (n,), generator=generator, device=generator.device).to(args.device)
         yield x[rows], y[rows]
+
+def device_noise(args, generator):   # the masks' and sampler's random numbers: on CUDA drawn on the GPU
+    cuda = args.device.startswith("cuda")
+    return torch.Generator(args.device).manual_seed(generator.initial_seed() + 1) if cuda else generator
 
 def sft_lr_at(args, step):
     """SFT's learning rate at a step: a linear warmup times a cosine decay to 10% over --sft-steps."""
@@ -291,9 +306,10 @@ def run_sft(args, task):
     model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
           + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, foreach=True)
     generator = torch.Generator().manual_seed(args.seed + 1_000_000 * args.rank)  # a stream per process
-    batches = sft_batches(task, args, generator)
+    noise = device_noise(args, generator)   # on CUDA the batches' rows and masks are drawn on the GPU
+    batches = sft_batches(task, args, noise)
     val_prompts = task.sample(args.val_size, "validation", 4321)[0]   # prompts only: the verifier scores
     best, curve, seconds, losses = None, [], 0.0, []   # seconds: of training, without the evaluations
     for step in tqdm(range(1, args.sft_steps + 1), desc=f"SFT {task.name}", leave=False,
@@ -301,18 +317,19 @@ def run_sft(args, task):
         t0 = time.time()
         for group in optimizer.param_groups:
             group["lr"] = sft_lr_at(args, step)
-        loss = sft_loss(model, *next(batches), generator=generator)
+        with autocast(args):
+            loss = sft_loss(model, *next(batches), generator=noise)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        [loss] = average_gradients(model, args, loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        [loss] = average_gradients(model, args, loss.detach())   # no .item(): no wait for the GPU a step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         losses.append(loss)
         seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
         val, test = (evaluate(model, task, prompts, args) for prompts in (val_prompts, held_out(task, args)))
-        curve.append({"step": step, "loss": sum(losses) / len(losses), "val_reward": val["reward"],
+        curve.append({"step": step, "loss": float(sum(losses)) / len(losses), "val_reward": val["reward"],
                       "val_accuracy": val["accuracy"], "accuracy": test["accuracy"], "reward": test["reward"],
                       "seconds": seconds})
         losses, improved = [], best is None or val["reward"] > best["val_reward"]
@@ -339,7 +356,8 @@ def sample_rollouts(model, task, prompts, args, generator):
     bounds: the update is the exact policy gradient of neither, as in the paper and DARE."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
-    y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
+    with autocast(args):
+        y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
@@ -354,10 +372,10 @@ def run_rl(args, task, model):
     loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the step's log
     record, and every --eval-every steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
+    # foreach: one op per kind for all the parameters, a dozen GPU kernels a step (CPU: the same numbers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0, foreach=True)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
-    cuda = args.device.startswith("cuda")   # rollouts' and MC draws' random numbers: on CUDA, drawn there
-    noise = torch.Generator(args.device).manual_seed(generator.initial_seed() + 1) if cuda else generator
+    noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, MC draws
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     if args.resume:
@@ -389,37 +407,39 @@ def run_rl(args, task, model):
         prompts = task.sample(B // G, "train", generator)[0]
         x, y, rewards = sample_rollouts(model, task, prompts, args, noise)           # (B, P), (B, L), (B,)
         # 2. the verifier's rewards -> 3. group-relative advantages (Eq. 18)
-        A = group_advantages(rewards, G).to(args.device)                            # (B,)
+        A = group_advantages(rewards, G)                     # (B,), on the CPU as the rewards are
         A = torch.where(A < 0, NEG_WEIGHT * A, A)  # learn more from successes than from failures
         # 4. n_t masked copies of each completion, drawn once: the old and new policy see the same masks
-        mc = draw_mc_samples(B, L, args.mc_samples, noise)   # on noise's device: the model's
+        mc = draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)   # on MPS noise is the CPU's
         old_terms, clip_eps = None, None     # on-policy: the update's own terms, detached (log_ratio)
         if args.minibatches > 1:             # every update after the first is off-policy
-            with torch.no_grad():
+            with torch.no_grad(), autocast(args):
                 old_terms, clip_eps = elbo_terms(model, x, y, mc), CLIP_EPS                 # (B, M)
         # 5. the update, one per mini-batch of whole groups (one by default)
         losses = []
         with contextlib.nullcontext() if cuda else ActivationMemory(model) as memory:   # CUDA: no hooks' time
-            for rows in torch.arange(B, device=A.device).chunk(args.minibatches):
-                keep = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal, leave it out
+            for rows in torch.arange(B).chunk(args.minibatches):
+                signal = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal
+                keep = signal if args.skip_tied else rows   # the rows updated; all: a fixed shape
+                A_k = (A[keep] * (len(keep) / len(rows))).to(args.device)   # the mini-batch's mean unchanged
                 x_k, y_k, mc_k = x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
                 old_k = None if old_terms is None else old_terms[keep]
-                A_k = A[keep] * (len(keep) / len(rows))   # so that the mean over the mini-batch is unchanged
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
-                if len(keep) and args.objective == "bgpo":   # backward per MC sample
-                    loss = bgpo_backward(model, x_k, y_k, mc_k, old_k, A_k, clip_eps, args.mc_chunk)
-                elif len(keep):                               # one graph over all n_t samples
-                    naive = naive_loss(model, x_k, y_k, mc_k, old_k, A_k, clip_eps)
-                    naive.backward()
-                    loss = naive.item()
-                loss, mean_rows = average_gradients(model, args, loss, len(keep))  # means over the processes
-                if mean_rows == 0:  # no process kept a row: no step (Adam moves weights on zero gradients)
+                with autocast(args):
+                    if len(signal) and args.objective == "bgpo":   # backward per MC sample
+                        loss = bgpo_backward(model, x_k, y_k, mc_k, old_k, A_k, clip_eps, args.mc_chunk)
+                    elif len(signal):                               # one graph over all n_t samples
+                        naive = naive_loss(model, x_k, y_k, mc_k, old_k, A_k, clip_eps)
+                        naive.backward()
+                        loss = naive.item()
+                loss, mean_rows = average_gradients(model, args, loss, len(signal))  # means over processes
+                if mean_rows == 0:  # no signal in any process: no step (Adam moves weights on zero gradients)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
                                    + (f"{ckpt_path} (step {saved})" if saved else "none yet"))
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
                 optimizer.step()
                 losses.append(loss)
         rewards = torch.cat(everyone(rewards, args))   # the log is over every process's rollouts
@@ -456,7 +476,9 @@ def run_rl(args, task, model):
 def show_unmasking(model, task, prompt, args):
     """Print how the greedy sampler writes one answer: at every step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
-    y, steps = generate(model, encode(task, [prompt], device=args.device), task.gen_len, return_steps=True)
+    with autocast(args):
+        x = encode(task, [prompt], device=args.device)
+        y, steps = generate(model, x, task.gen_len, return_steps=True)
     states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
                        for s in range(len(y[0])))
     print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; _ is MASK,"
@@ -482,8 +504,9 @@ def bench_memory(args, task):
     rows = []
     for n_t in (1, 2, 4, 8, 16, 32, 64):
         mc = draw_mc_samples(B, task.gen_len, n_t, generator).to(args.device)
-        naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
-        bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, mc_chunk=args.mc_chunk))
+        with autocast(args):   # the weights do not move: no optimizer step
+            naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
+            bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk))
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
         out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
                                 if m is None)
@@ -510,7 +533,8 @@ def make_parser():
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     run("--size", choices=SIZES, default="cpu", help=f"the defaults of the flags below; gpu: {SIZES['gpu']}")
-    run("--dtype", choices=["float32", "bfloat16"], help="forward passes (None: bf16 on CUDA, Ampere on)")
+    run("--dtype", choices=["float32", "bfloat16"],
+        help="forward passes (float32: with TF32 matmuls on CUDA; None: bf16 on CUDA from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
     run("--run-name", help="the RL run's folder (None: task_objective_ntM[_kK]_seedS[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
@@ -527,7 +551,9 @@ def make_parser():
     sft("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
     rl("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
     rl("--mc-samples", type=int, default=8, help="MC samples n_t per completion")
-    rl("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO")
+    rl("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO (more than n_t: all at once)")
+    rl("--skip-tied", action=argparse.BooleanOptionalAction, default=True,
+       help="leave groups whose rewards tie (A = 0) out of the update: less to compute, a shape that varies")
     rl("--minibatches", type=int, default=1,
        help="updates per rollout batch, each on the next 1/K of its groups; 2: the paper's off-policy one")
     rl("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each; more on --resume: longer")
@@ -553,8 +579,6 @@ def check_args(p, args):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if args.mc_chunk > 1 and args.objective != "bgpo":
         p.error("--mc-chunk is an option of --objective bgpo")
-    if args.mc_chunk > args.mc_samples and not args.bench_memory:   # the table's n_t go from 1 to 64
-        p.error(f"--mc-chunk {args.mc_chunk} is larger than --mc-samples {args.mc_samples}")
     if args.prompts_per_step % (args.world * args.minibatches):
         p.error((f"{args.world} processes x " if args.world > 1 else "") + f"--minibatches {args.minibatches}"
                 f" must divide --prompts-per-step {args.prompts_per_step} (whole groups each)")
@@ -632,16 +656,10 @@ def main(argv=None):
             torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice (errors: every one)
-    # The GPU path, set up as in nanoGPT's train.py: TF32 matmuls; with --dtype bfloat16 (CUDA's default from
-    # Ampere on) forward passes under bf16 autocast, to float32 logits (TinyDLLM): the ELBO terms are float32.
-    # No weight cache: this region spans every optimizer step, and a cached bf16 weight keeps its first value.
+    # The GPU path, set up as in nanoGPT's train.py: TF32 matmuls; bf16 autocast where autocast(args) says
     torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")
-    with torch.autocast(args.device.split(":")[0], torch.bfloat16, cache_enabled=False) \
-            if args.dtype == "bfloat16" else contextlib.nullcontext():
-        return job(args, get_task(args.task), time.time())
-
-def job(args, task, t0):   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL
-    if args.bench_memory:
+    task, t0 = get_task(args.task), time.time()
+    if args.bench_memory:   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL
         return bench_memory(args, task)
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's
         path = os.path.join(args.out_dir, args.run_name, "ckpt.pt")

@@ -89,7 +89,8 @@ MAX_TEXT = 64  # rewards look at no more than this many characters of model outp
 def _rng(generator_or_seed):
     """A Python RNG from an int seed or a torch.Generator (whose state then advances by one draw)."""
     if isinstance(generator_or_seed, torch.Generator):
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator_or_seed))
+        generator = generator_or_seed   # on any device (a GPU's: bgpo.py's SFT on CUDA)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
     elif isinstance(generator_or_seed, int):
         seed = generator_or_seed
     else:

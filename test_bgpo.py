@@ -344,7 +344,7 @@ def test_equivalence_bgpo_value_equals_naive_on_policy():
     print(f"\n  on-policy loss: naive {naive.item():.15f}, BGPO {bound:.15f}, -mean(A) {-A.mean():.15f}")
     assert abs(naive.item() - bound) < 1e-12 and abs(bound + A.mean().item()) < 1e-12, (naive.item(), bound)
 
-@pytest.mark.parametrize("mc_chunk", [1, 3, 6])
+@pytest.mark.parametrize("mc_chunk", [1, 3, 6, 8])   # 8: more than n_t, all at once
 def test_equivalence_bgpo_gradient_equals_naive_on_policy(mc_chunk):
     model, x, y, mc, old_terms, A = on_policy_setup()
     naive_loss(model, x, y, mc, old_terms, A).backward()
@@ -407,29 +407,23 @@ def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive
     assert rel["BGPO, float32"] < 1e-5, rel
     assert 1e-4 < rel["BGPO, bf16"] < 2e-2, rel   # above 1e-4: bf16 did run (float32 agrees to 1e-7)
 
-def test_bf16_autocast_in_main_computes_with_the_weights_each_step_leaves(tmp_path, monkeypatch):
-    """bgpo.main runs SFT and RL inside one bf16 autocast region (--dtype bfloat16). With autocast's weight
-    cache on, the bf16 copy of a weight made at its first use would serve the whole region: the model would
-    compute with its first weights however the optimizer moved them. Inside main's region: a forward, the
-    weights moved, a forward again, against the moved model's forward in a region of its own."""
+def test_under_bf16_every_forward_pass_runs_in_autocast_and_no_optimizer_step_does(tmp_path, monkeypatch):
+    """--dtype bfloat16: autocast casts each weight to bf16 once a region and keeps that copy until the region
+    ends, so an optimizer step inside a region would leave the model computing with its old weights (an
+    earlier bgpo.py had one region around the whole run, and learnt nothing in bf16). Over a tiny run (SFT
+    with its evaluations, then RL): every forward pass under autocast, every optimizer step outside it."""
     torch.set_default_dtype(torch.float32)   # the float64 fixture restores its dtype after the test
-
-    def probe(args, task, t0):   # what main runs in its region, in place of the job
-        torch.manual_seed(0)
-        model = bgpo.make_model(task, args)
-        x = bgpo.encode(task, task.sample(4, "train", 0)[0])
-        before = model(x)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(2.0)
-        return model, x, before, model(x)
-
-    monkeypatch.setattr(bgpo, "job", probe)
-    model, x, before, after = bgpo.main(tiny_argv(tmp_path, "--dtype", "bfloat16"))
-    with torch.autocast("cpu", torch.bfloat16):
-        fresh = model(x)
-    assert after.dtype == torch.float32 and not torch.allclose(before, after)
-    assert torch.equal(after, fresh), report(after.nan_to_num(), fresh.nan_to_num())
+    forwards, steps = [], []
+    forward, step = TinyDLLM.forward, torch.optim.AdamW.step
+    monkeypatch.setattr(TinyDLLM, "forward", lambda self, tokens: forwards.append(
+        torch.is_autocast_enabled("cpu")) or forward(self, tokens))
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(
+        torch.is_autocast_enabled("cpu")) or step(self, *a, **k))
+    real = bgpo.sample_rollouts
+    monkeypatch.setattr(bgpo, "sample_rollouts", lambda *a: (*real(*a)[:2], torch.arange(8) % 2.0))  # signal
+    bgpo.main(tiny_argv(tmp_path, "--dtype", "bfloat16", "--sft-steps", "4", "--sft-eval-every", "2"))
+    assert len(steps) == 4 + 2 and not any(steps), steps          # SFT's 4 steps, RL's 2
+    assert len(forwards) > 20 and all(forwards), f"{forwards.count(False)} of {len(forwards)} in float32"
 
 def test_equivalence_naive_gradient_is_the_sum_of_one_backward_per_mc_sample_on_policy():
     """On-policy every d_j = 0, so grad R_hat = (A / n_t) sum_j grad l_j / L: the naive objective's gradient
@@ -722,6 +716,21 @@ def test_dropping_tied_groups_leaves_the_gradient_unchanged():
                   A[keep] * (len(keep) / len(A)))
     assert torch.allclose(grads(model), whole, rtol=1e-10, atol=1e-14), report(grads(model), whole)
 
+def test_updating_every_row_gives_the_update_that_leaves_the_tied_groups_out(tmp_path, monkeypatch):
+    """--no-skip-tied (the GPU size's: a fixed shape) puts the rows with A = 0 in the update, where they add
+    nothing: after two RL steps the weights are those of the default, which leaves them out and scales A."""
+    real = bgpo.sample_rollouts
+    one_solve = lambda *a: (*real(*a)[:2], (torch.arange(8) == 0).double())   # group 1 mixed, 2 tied
+    monkeypatch.setattr(bgpo, "sample_rollouts", one_solve)
+    weights, short_sft = {}, ["--sft-steps", "2", "--sft-eval-every", "2"]
+    for flag in ("--skip-tied", "--no-skip-tied"):
+        bgpo.main(tiny_argv(tmp_path, flag, f"--run-name={flag}", *short_sft))
+        weights[flag] = torch.load(tmp_path / flag / "ckpt.pt")["model"]
+    sft = bgpo.load_checkpoint(bgpo.sft_path(tiny_args(tmp_path, *short_sft)), get_task("arithmetic"))["model"]
+    for name, w in weights["--skip-tied"].items():
+        assert torch.allclose(w, weights["--no-skip-tied"][name], rtol=1e-9, atol=1e-12), name
+    assert max((w - sft[name]).abs().max() for name, w in weights["--skip-tied"].items()) > 1e-5, "moved"
+
 def test_with_two_minibatches_the_first_update_is_on_policy_and_the_second_is_not(tmp_path, monkeypatch):
     """--minibatches 2: the old policy's terms are computed once per rollout batch, on the shared MC
     draws. The first update, on the first half of the prompts, is the on-policy update of that half;
@@ -871,7 +880,6 @@ def test_the_trained_model_answers_a_users_prompt(tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--task", "chess"], "invalid choice: 'chess'"),
     (["--sft-steps", "0"], "--sft-steps must be at least 1"),
-    (["--mc-samples", "4", "--mc-chunk", "8"], "larger than --mc-samples"),
     (["--objective", "naive", "--mc-chunk", "2"], "--mc-chunk is an option of --objective bgpo"),
     (["--objective", "stp"], "invalid choice"),
     (["--group-size", "1"], "at least 2"),
@@ -976,10 +984,10 @@ def record_grads(setattr):
     """The gradient of every optimizer step, as the update leaves it, before clipping."""
     seen = []
 
-    def recording_clip(params, *args):
+    def recording_clip(params, *args, **kwargs):
         params = list(params)
         seen.append(torch.cat([p.grad.flatten() for p in params]))
-        return CLIP_GRAD_NORM(params, *args)
+        return CLIP_GRAD_NORM(params, *args, **kwargs)
 
     setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     return seen

@@ -1,8 +1,9 @@
 """
-Seconds per RL step, and the model FLOP utilisation (MFU) beside them: bgpo.py's step on this device against
-the same step by the float32 path it had before its GPU lines (every forward in float32 without TF32, the
-sampler's and the MC draws' random numbers drawn on the CPU and copied over, the activation meter's hooks on
-every step), side by side in one process, on one model, with the same batches.
+Seconds per RL step, the model FLOP utilisation (MFU) and the ops dispatched beside them: bgpo.py's step on
+this device against the same step by the float32 path it had before its GPU lines (every forward in float32
+without TF32, the sampler's and the MC draws' random numbers drawn on the CPU and copied over, the activation
+meter's hooks on every step, one MC copy per backward, AdamW and the gradient clip one parameter at a time),
+side by side in one process, on one model, with the same batches.
 
     python -m lab.bench_step [--steps 20] [--warmup 3] [--compile] [--cap-gib 24] [any bgpo.py flag]
     python -m lab.bench_step --size gpu --device cuda --cap-gib 24     # the GPU size on a 24 GB budget
@@ -13,6 +14,12 @@ The advantages come from random rewards, which never tie, so every row is in the
 its own rewards would all tie and leave nothing to update). Time: the median over --steps steps after
 --warmup (torch.compile compiles in those), with the device synchronised around each step.
 
+Ops: in one more step per path, the ATen ops dispatched (views, which launch no kernel, left out), by phase:
+the sampler, the update (bgpo_backward), the optimizer (clip and AdamW) and the rest. On a GPU each is at
+least one kernel launch, a few microseconds of the host's time: a small model's step is launch-bound long
+before it is FLOP-bound. The count does not depend on the device's speed, so the CPU can count the GPU's
+path (but for what dispatches differently there: on CUDA, flash attention).
+
 MFU as nanoGPT's estimate_mfu counts it: a token's forward pass costs 2N + 4 n_layer T C FLOPs (N parameters
 without the position table, T tokens, C the width) and forward plus backward three times that. A step runs
 the sampler's gen_len forward passes over B = G x prompts rows, then n_t forward and backward passes over
@@ -20,14 +27,17 @@ them. The peak is the card's dense bf16 peak (--peak-tflops, or the table below 
 both paths, as nanoGPT quotes it; on the CPU MFU is left out unless --peak-tflops is given.
 """
 import argparse
+import collections
 import contextlib
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bgpo
 from lab import cli
+from lab.capped import cap_memory
 from tasks import get_task
 from tiny_dllm import ActivationMemory
 
@@ -43,39 +53,63 @@ def step_flops(model, task, args):
     forward = 2 * N + 4 * args.n_layer * T * C          # a token's forward pass
     return B * T * (task.gen_len + 3 * args.mc_samples) * forward
 
-def autocast(args):   # bgpo.main's (a copy): bf16 autocast on --dtype bfloat16, no weight cache
-    bf16 = args.dtype == "bfloat16"
-    return torch.autocast(args.device.split(":")[0], torch.bfloat16, cache_enabled=False) if bf16 else \
-        contextlib.nullcontext()
+# no kernel: allocation and bookkeeping; .item() counts only on a device's tensor (AdamW reads its CPU steps)
+NO_KERNEL = {"detach", "lift_fresh", "empty", "empty_strided", "empty_like", "_record_function_enter_new",
+             "_record_function_exit"}
 
-def rl_step(model, optimizer, task, args, generator, noise, meter):
+class OpCounter(TorchDispatchMode):
+    """While active (a with block): the ATen ops dispatched, views and NO_KERNEL left out, counted in
+    self.counts by self.phase (set it with `with counter.at("update"):`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.phase = collections.Counter(), "other"
+
+    @contextlib.contextmanager
+    def at(self, phase):
+        self.phase = phase
+        yield
+        self.phase = "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        on_cpu = name == "_local_scalar_dense" and args[0].device.type == "cpu"
+        if not func.is_view and name not in NO_KERNEL and not on_cpu:
+            self.counts[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None):
     """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards),
-    under bgpo.main's autocast. Returns the activation meter's peak bytes in the update (one MC copy's, or one
-    --mc-chunk's), or None."""
+    with bgpo.autocast where run_rl has it. Counts its ops by phase into ops (an active OpCounter) if given.
+    Returns the activation meter's peak bytes in the update (one --mc-chunk's), or None."""
     G, B, L = args.group_size, args.group_size * args.prompts_per_step, task.gen_len
-    with autocast(args):
-        prompts = task.sample(B // G, "train", generator)[0]
+    at = ops.at if ops else lambda phase: contextlib.nullcontext()
+    prompts = task.sample(B // G, "train", generator)[0]
+    with at("sampler"):
         x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
-        A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
-        mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
-        optimizer.zero_grad(set_to_none=True)
-        with ActivationMemory(model) if meter else contextlib.nullcontext() as memory:
-            bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
+    mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
+    optimizer.zero_grad(set_to_none=True)
+    with ActivationMemory(model) if meter else contextlib.nullcontext() as memory, at("update"), \
+            bgpo.autocast(args):
+        bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
+    with at("optimizer"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=optimizer.defaults["foreach"])
         optimizer.step()
     return memory.peak if meter else None
 
 def time_path(task, args, path, bench):
     """One path ("float32" or "bgpo.py"), timed: {"s": median seconds per step, "cuda_mb": CUDA peak MiB
-    or None, "act_mb": the update's activation MiB by the meter or None, "flops": a step's, "params"}.
-    The model goes when it returns: the next path does not share the memory (or the cap) with it."""
-    cuda = args.device.startswith("cuda")
-    args = argparse.Namespace(**{**vars(args), "dtype": "float32" if path == "float32" else args.dtype})
+    or None, "act_mb": the update's activation MiB by the meter or None, "flops": a step's, "params", "ops":
+    a step's ops by phase}. The model goes when it returns: the next path does not share the memory (or the
+    cap) with it."""
+    cuda, old = args.device.startswith("cuda"), path == "float32"
+    args = argparse.Namespace(**{**vars(args), **({"dtype": "float32", "mc_chunk": 1} if old else {})})
     torch.set_float32_matmul_precision("high" if cuda and path == "bgpo.py" else "highest")
     torch.manual_seed(args.seed)
     model = bgpo.make_model(task, args)
     step_model = torch.compile(model) if bench.compile and path == "bgpo.py" else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.RL_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.RL_LR, weight_decay=0.0, foreach=not old)
     generator = torch.Generator().manual_seed(args.seed + 1)
     new_gpu_path = cuda and path == "bgpo.py"
     noise = torch.Generator(args.device).manual_seed(args.seed + 2) if new_gpu_path else generator
@@ -90,9 +124,12 @@ def time_path(task, args, path, bench):
         if cuda:
             torch.cuda.synchronize(args.device)
         seconds.append(time.perf_counter() - t0)
+    cuda_mb = torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None
+    with OpCounter() as ops:   # one more step, counted (the counter's Python costs time: not timed)
+        rl_step(step_model, optimizer, task, args, generator, noise, meter=not new_gpu_path, ops=ops)
     return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
-            "cuda_mb": torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None,
-            "flops": step_flops(model, task, args), "params": model.num_params()}
+            "cuda_mb": cuda_mb, "flops": step_flops(model, task, args), "params": model.num_params(),
+            "ops": dict(ops.counts)}
 
 def peak_flops(args, bench):
     if bench.peak_tflops:
@@ -118,8 +155,7 @@ def main(argv=None):
     args = bgpo.parse_args(rest)
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
     if bench.cap_gib and cuda:
-        total = torch.cuda.get_device_properties(args.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, bench.cap_gib * 2**30 / total), args.device)
+        cap_memory(args.device, bench.cap_gib)
     device = torch.cuda.get_device_name(args.device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak = peak_flops(args, bench)
     rows = {path: time_path(task, args, path, bench) for path in ("float32", "bgpo.py")}
@@ -128,16 +164,22 @@ def main(argv=None):
           f"L = {task.gen_len}, n_t {args.mc_samples} | {flops / 1e12:.3f} TFLOP a step | {device}, "
           f"PyTorch {torch.__version__} | median of {bench.steps} steps after {bench.warmup}"
           + (f" | memory capped at {bench.cap_gib:g} GiB" if bench.cap_gib and cuda else ""))
-    print("  s/step speed-up     MFU act MiB" + (" CUDA peak MiB" if cuda else "") + " | path")
-    labels = {"float32": "float32, random numbers drawn on the CPU, activation meter (before the GPU lines)",
-              "bgpo.py": f"bgpo.py: {args.dtype}" + (", TF32, random numbers on the GPU, no meter" if cuda
-                                                     else "") + (", torch.compile" if bench.compile else "")}
+    print("  s/step speed-up     MFU act MiB" + (" CUDA peak MiB" if cuda else "")
+          + " | ops: sampler update optim. other  total | path")
+    labels = {"float32": "float32, random numbers drawn on the CPU, activation meter, n_t passes, AdamW a "
+                         "parameter at a time (before the GPU lines)",
+              "bgpo.py": f"bgpo.py: {args.dtype}, --mc-chunk {args.mc_chunk}"
+                         + (", TF32, random numbers on the GPU, no meter" if cuda else "")
+                         + (", torch.compile" if bench.compile else "")}
     for path, row in rows.items():
         row["mfu"] = flops / row["s"] / peak if peak else None
+        ops = [row["ops"].get(phase, 0) for phase in ("sampler", "update", "optimizer", "other")]
         print(f"{row['s']:8.4f} {rows['float32']['s'] / row['s']:7.2f}x "
               + (f"{row['mfu']:7.1%} " if peak else f"{'-':>7} ") + (f"{row['act_mb']:7.1f}" if row["act_mb"]
                                                                    else f"{'-':>7}")
-              + (f" {row['cuda_mb']:13.0f}" if cuda else "") + f" | {labels[path]}")
+              + (f" {row['cuda_mb']:13.0f}" if cuda else "")
+              + " | " + " ".join(f"{n:>{w}}" for n, w in zip(ops + [sum(ops)], (12, 6, 6, 5, 6)))
+              + f" | {labels[path]}")
     return rows
 
 if __name__ == "__main__":

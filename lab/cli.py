@@ -42,7 +42,7 @@ def make_parser(prog, description):
 # goes into the run's name as a hash. bgpo.py names its runs in words only.
 IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
 NOT_RESULTS = bgpo.NOT_RESULTS + ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size",
-                                  "track_answers", "size", "dtype")   # the lab: float32, sizes flag by flag
+                                  "track_answers", "size", "dtype", "skip_tied")   # lab: bgpo.py's defaults
 
 def settings_hash(p, args):
     """"_" and a short hash of every other flag of p that differs from its default ("" if none): two lab
@@ -82,8 +82,9 @@ def check_args(p, args):
              f"--gen-steps must be in {blocks}..{L} (a step per block at least), got {args.gen_steps}")]:
         if not ok:
             p.error(message)
-    if args.size != "cpu" or args.dtype == "bfloat16":
-        p.error("--size gpu and --dtype bfloat16 are bgpo.py's: the lab runs float32, its sizes flag by flag")
+    if args.size != "cpu" or args.dtype == "bfloat16" or not args.skip_tied:
+        p.error("--size gpu, --dtype bfloat16 and --no-skip-tied are bgpo.py's: the lab runs float32, its "
+                "sizes flag by flag, and leaves tied groups out")
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
     named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})

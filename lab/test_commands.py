@@ -4,14 +4,15 @@ the estimator lab, the memory table, the comparison figure; bad flags exit 2 wit
 """
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 import bgpo
-from lab import (bench_estimators, bench_memory, bench_step, cli, compare, control, dtrpo_offline, figures,
-                 negatives, objectives, offpolicy, rl, sampler, stages)
+from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
+                 figures, negatives, objectives, offpolicy, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 
@@ -184,6 +185,21 @@ def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, ca
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
+def test_the_memory_cap_names_the_gpu_by_its_index(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction wants a device index and refused the bare "cuda" that
+    bench_step passed it (a ValueError on every GPU). On the CPU, with fakes of the CUDA calls and PyTorch's
+    check of the device argument: the fraction and the index that lab.capped.cap_memory passes."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device: calls.append(
+        (fraction, torch.cuda._utils._get_device_index(device))))   # PyTorch's check: it raises for "cuda"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=96 << 30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_per_process_memory_fraction(0.25, "cuda")       # the fake refuses it, as PyTorch does
+    for device, gib in [("cuda", 24), ("cuda:1", 24), ("cuda", 200)]:
+        capped.cap_memory(device, gib)
+    assert calls == [(0.25, 0), (0.25, 1), (1.0, 0)], calls
+
 def test_memory_figure_holds_the_lines_it_draws():
     measured = lambda mb, s: {"mb": mb, "s": s, "cuda_mb": None}
     rows = [{"n_t": n, "naive": measured(10.0 * n, 1.0), "bgpo": measured(10.0, 0.5)} for n in (1, 2)]
@@ -288,8 +304,9 @@ def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, comm
     (["--block-len", "2", "--gen-steps", "1"], "--gen-steps must be in 2..4"),
     (["--bench-repeats", "0"], "--bench-repeats must be a positive integer"),
     (["--mc-samples", "0"], "--mc-samples must be at least 1"),
-    (["--size", "gpu"], "--size gpu and --dtype bfloat16 are bgpo.py's: the lab runs float32"),
-    (["--dtype", "bfloat16"], "--size gpu and --dtype bfloat16 are bgpo.py's"),
+    (["--size", "gpu"], "--size gpu, --dtype bfloat16 and --no-skip-tied are bgpo.py's: the lab runs"),
+    (["--dtype", "bfloat16"], "--size gpu, --dtype bfloat16 and --no-skip-tied are bgpo.py's"),
+    (["--no-skip-tied"], "--size gpu, --dtype bfloat16 and --no-skip-tied are bgpo.py's"),
 ])
 def test_bad_lab_rl_flags_exit_2_with_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
