@@ -1,0 +1,182 @@
+"""
+The GPU report: one command that makes the measurements the README's GPU lines need, on the card it runs on,
+in at most --minutes (8: a lent machine's session), with its logs and a short report in one folder of at
+most 8 files.
+
+    python -m lab.gpu_report [--out DIR]          # on a machine with a CUDA GPU (DIR: $OUT, else out/gpu_report)
+    python -m lab.gpu_report --dry-run            # the same commands with tiny flags, on the CPU (a test runs it)
+
+What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
+1. alone, so that its timings are the card's (at most 2 and 5 minutes):
+   - `python -m lab.bench_step --size gpu --cap-gib 24`: seconds per RL step of bgpo.py's path against the
+     float32 path it replaced, MFU, ops dispatched by phase (bench.log);
+   - `python -m lab.capped 24 bgpo.py --size gpu`: Countdown at the GPU size, SFT then RL (countdown.log);
+2. side by side in the time left, one log file's commands after each other (timings shared with the rest):
+   - `python -m pytest -q` (pytest.log);
+   - `bgpo.py --size gpu --bench-memory` under the cap: where the naive update runs out; then 20 RL steps
+     under `torchrun --nproc_per_node=1` (the launcher's path: one process makes no collective, so NCCL's
+     all-reduce needs two GPUs) (memory.log);
+   - bench_step again with `--compile` (after the first in bench.log);
+   - `bgpo.py --size gpu --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
+     sudoku.log).
+The dry run runs each kind of command once (not the other two tasks, nor --compile), side by side.
+The GPU's utilisation is sampled every 0.5 s (nvidia-smi, util.csv); report.md gives, for each command, its
+exit status, seconds, mean utilisation and the lines that carry its result.
+"""
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+import bgpo
+from lab import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the commands run from the repository
+
+# flags that shrink every run to seconds on the CPU (flags given win over --size gpu's)
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--demos", "20", "--sft-steps", "2",
+        "--sft-eval-every", "2", "--val-size", "4", "--eval-size", "4", "--prompts-per-step", "2",
+        "--group-size", "2", "--mc-samples", "2", "--rl-steps", "2", "--eval-every", "1", "--device", "cpu"]
+
+def commands(runs_dir, dry_run):
+    """[(phase, log file, name, argv)]: phase 1 runs alone and in order, phase 2 side by side."""
+    py, tiny = sys.executable, TINY if dry_run else []
+    bgpo_py = [py, "-m", "lab.capped", "24", "bgpo.py", "--size", "gpu", "--out-dir", runs_dir]
+    bench = [py, "-m", "lab.bench_step", "--size", "gpu", "--cap-gib", "24", "--steps", "10", "--warmup", "3"]
+    bench_tiny = tiny + (["--steps", "1", "--warmup", "0"] if dry_run else [])
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
+                "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
+    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # the dry run's own test runs it
+    if dry_run:   # each kind of command once, side by side (its timings mean nothing), in seconds
+        return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0"]),
+                (2, "countdown.log", "countdown", bgpo_py + tiny),
+                (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"] + tiny),
+                (2, "memory.log", "torchrun", torchrun + tiny), (2, "pytest.log", "pytest", pytest)]
+    return [(1, "bench.log", "bench_step", bench), (1, "countdown.log", "countdown", bgpo_py),
+            (2, "pytest.log", "pytest", pytest),
+            (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"]),
+            (2, "memory.log", "torchrun", torchrun),   # after the memory table, in its log
+            (2, "bench.log", "bench_step --compile", bench + ["--compile"]),
+            (2, "arithmetic.log", "arithmetic", bgpo_py + ["--task", "arithmetic"]),
+            (2, "sudoku.log", "sudoku", bgpo_py + ["--task", "sudoku"])]
+
+# the lines of a log that carry a command's result
+RESULT = re.compile(r"^(model .*|  s/step.*|\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|kept the SFT model.*|"
+                    r"held-out accuracy .*|step +\d+ .*held-out.*|warning: .*|.*(passed|failed|error).*|"
+                    r"pytest \d.*|.*Error.*)$")
+
+def result_lines(text, most=14):
+    lines = [line for line in text.splitlines() if RESULT.match(line)]
+    return lines if len(lines) <= most else lines[:4] + ["..."] + lines[-(most - 5):]
+
+def utilisation(samples, start, end):
+    """The mean GPU utilisation (%) of the samples (time, percent) taken between start and end, or None."""
+    inside = [u for t, u in samples if start <= t <= end]
+    return sum(inside) / len(inside) if inside else None
+
+def read_samples(path):
+    samples = []
+    for line in open(path) if os.path.isfile(path) else []:
+        try:
+            t, u = line.split(",")[:2]
+            samples.append((float(t), float(u)))
+        except ValueError:
+            continue
+    return samples
+
+def start(argv, log_path, env):
+    log = open(log_path, "a")
+    log.write(f"$ {shlex.join(argv)}\n")
+    log.flush()
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log
+
+def finish(process, log, deadline):
+    """Wait for process until deadline (time.time()); past it, stop it. Returns its exit code, or None."""
+    try:
+        code = process.wait(timeout=max(deadline - time.time(), 0.1))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        code = None
+    log.write(f"[{'stopped at the time limit' if code is None else f'exit code {code}'}]\n")
+    log.close()
+    return code
+
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m lab.gpu_report", description=__doc__.strip().split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join("out", "gpu_report"),
+                   help="the folder of the logs and report.md (at most 8 files)")
+    p.add_argument("--minutes", type=float, default=8.0, help="the whole report's time limit")
+    p.add_argument("--dry-run", action="store_true", help="tiny flags on the CPU: checks that every command runs")
+    args = p.parse_args(argv)
+    if not args.minutes > 0:
+        p.error(f"--minutes must be positive, got {args.minutes}")
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("no CUDA GPU here (a CPU build of PyTorch, or no GPU): --dry-run runs the commands on the CPU")
+    os.makedirs(args.out, exist_ok=True)
+    runs_dir = tempfile.mkdtemp(prefix="gpu_report_runs_")   # checkpoints: not among the files sent back
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.dry_run else {})}
+    t0 = time.time()
+    end = t0 + 60 * args.minutes - 20   # 20 s for the report and the cleaning up
+    smi = shutil.which("nvidia-smi") and not args.dry_run
+    sampler = subprocess.Popen(
+        ["bash", "-c", "while sleep 0.5; do echo \"$(date +%s.%N),$(nvidia-smi --query-gpu=utilization.gpu,"
+                       "memory.used --format=csv,noheader,nounits | head -1)\"; done"],
+        stdout=open(os.path.join(args.out, "util.csv"), "w")) if smi else None
+    done = []   # (name, argv, log, code, start, end)
+    planned = commands(runs_dir, args.dry_run)
+    limits = {"bench_step": 120, "countdown": 300}   # phase 1's, in seconds; the rest share the time left
+    for phase, log, name, argv in [c for c in planned if c[0] == 1]:
+        began = time.time()
+        process, handle = start(argv, os.path.join(args.out, log), env)
+        code = finish(process, handle, min(end, began + limits[name]))
+        done.append((name, argv, log, code, began, time.time()))
+    # phase 2: one thread a log file, side by side; the commands of a log one after the other
+    def run_in_order(log, group):
+        for _, _, name, argv in group:
+            began = time.time()
+            code = finish(*start(argv, os.path.join(args.out, log), env), end)
+            done.append((name, argv, log, code, began, time.time()))
+    logs = dict.fromkeys(c[1] for c in planned if c[0] == 2)
+    threads = [threading.Thread(target=run_in_order, args=(log, [c for c in planned if c[0] == 2 and c[1] == log]))
+               for log in logs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if sampler:
+        sampler.kill()
+    order = [c[2] for c in planned]
+    done.sort(key=lambda d: order.index(d[0]))
+    samples = read_samples(os.path.join(args.out, "util.csv"))
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
+    lines = [f"# GPU report: {device}", "",
+             f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
+             f"(limit {args.minutes:g} min). Phase 1 (bench_step, countdown) ran alone; the rest side by side.", ""]
+    for name, argv, log, code, began, ended in done:
+        util = utilisation(samples, began, ended)
+        status = "stopped at the time limit" if code is None else f"exit code {code}"
+        lines += [f"## {name}: {status}, {ended - began:.0f} s" + (f", GPU {util:.0f}% busy" if util is not None
+                                                                   else ""),
+                  "", f"`{shlex.join(argv[1:])}` ({log})", "", "```"]
+        text = open(os.path.join(args.out, log)).read()
+        own = text[text.rfind(f"$ {shlex.join(argv)}"):]   # this command's part of a shared log
+        lines += result_lines(own) + ["```", ""]
+    report = "\n".join(lines)
+    bgpo.write_text(os.path.join(args.out, "report.md"), report)
+    shutil.rmtree(runs_dir, ignore_errors=True)
+    print(report)
+    return done
+
+if __name__ == "__main__":
+    cli.command_line(main, "python -m lab.gpu_report")
