@@ -40,6 +40,11 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "rft": ("lab.rl", ["--advantages", "rft"]),                 # rejection sampling: learn the solved answers
     "sft-continued": ("lab.control", []),                       # SFT on the demonstrations, bgpo's seconds
     "nt1": ("lab.rl", ["--mc-samples", "1"]),                   # one masked copy per completion
+    **{f"nt{n}": ("lab.rl", ["--mc-samples", str(n)]) for n in (2, 4, 16, 32)},   # the n_t curve
+    # the same model FLOPs a step as the default (bench_step's count: rows x (L + 3 n_t) token passes, within
+    # 4%), spent on masked copies or on rollouts: n_t 16 with 9 prompts, n_t 4 with 25, n_t 2 with 34
+    **{f"nt{n}-p{p}": ("lab.rl", ["--mc-samples", str(n), "--prompts-per-step", str(p)])
+       for n, p in ((16, 9), (4, 25), (2, 34))},
     "neg-weight-1": ("lab.rl", ["--neg-weight", "1"]),          # the paper's weight of negative advantages
     "no-std": ("lab.rl", ["--advantages", "no-std"]),           # A = r - mean, without Eq. 18's / std
     "solved-reward": ("lab.rl", ["--reward", "solved"]),        # no 0.1 for a well-formed wrong answer

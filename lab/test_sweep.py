@@ -59,6 +59,11 @@ def test_each_ablation_arm_changes_only_the_setting_its_name_says():
                        "w-reinforce": {"advantages", "neg_weight"}, "spg": {"objective"},
                        "cov-detach": {"cov_detach"}, "entropy-bonus": {"entropy_coef"}}
     assert rl.parse_args(sweep.arm_argv("nt1", 0, [], 2000)).mc_samples == 1
+    for arm, n_t, prompts in [("nt32", 32, 16), ("nt16-p9", 16, 9), ("nt4-p25", 4, 25), ("nt2-p34", 2, 34)]:
+        args = rl.parse_args(sweep.arm_argv(arm, 0, [], 2000))
+        assert (args.mc_samples, args.prompts_per_step) == (n_t, prompts), arm
+        L = get_task("countdown").gen_len   # bench_step's count: rows x (L + 3 n_t) token passes a step
+        assert abs(prompts * (L + 3 * n_t) / (16 * (L + 3 * 8)) - 1) < 0.05 or arm == "nt32", arm
     assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, [], 2000)).neg_weight == 1.0
 
 @pytest.mark.parametrize("df, published", [(1, 12.706), (4, 2.776), (9, 2.262), (29, 2.045)])
