@@ -175,7 +175,7 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
-# --size gpu: one consumer GPU (24 GB); a flag given wins over its size's default. An update is one pass over
+# --size gpu: one consumer GPU (24 GiB); a flag given wins over its size's default. An update is one pass over
 # the 8 MC copies (~5 GiB in bf16) and all the rows (A = 0 adds nothing): fewer kernels, a shape that stays.
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 mc_chunk=8, skip_tied=False)}
