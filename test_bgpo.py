@@ -410,8 +410,9 @@ def test_equivalence_bgpo_gradient_under_bf16_autocast_matches_the_float32_naive
 def test_under_bf16_every_forward_pass_runs_in_autocast_and_no_optimizer_step_does(tmp_path, monkeypatch):
     """--dtype bfloat16: autocast casts each weight to bf16 once a region and keeps that copy until the region
     ends, so an optimizer step inside a region would leave the model computing with its old weights (an
-    earlier bgpo.py had one region around the whole run, and learnt nothing in bf16). Over a tiny run (SFT
-    with its evaluations, then RL): every forward pass under autocast, every optimizer step outside it."""
+    earlier bgpo.py had one region around the whole run; its bf16 runs computed with their first weights).
+    Over a tiny run (SFT with its evaluations, then RL): every forward pass under autocast, every optimizer
+    step outside it."""
     torch.set_default_dtype(torch.float32)   # the float64 fixture restores its dtype after the test
     forwards, steps = [], []
     forward, step = TinyDLLM.forward, torch.optim.AdamW.step
@@ -726,7 +727,8 @@ def test_updating_every_row_gives_the_update_that_leaves_the_tied_groups_out(tmp
     for flag in ("--skip-tied", "--no-skip-tied"):
         bgpo.main(tiny_argv(tmp_path, flag, f"--run-name={flag}", *short_sft))
         weights[flag] = torch.load(tmp_path / flag / "ckpt.pt")["model"]
-    sft = bgpo.load_checkpoint(bgpo.sft_path(tiny_args(tmp_path, *short_sft)), get_task("arithmetic"))["model"]
+    sft_path = bgpo.sft_path(tiny_args(tmp_path, *short_sft))
+    sft = bgpo.load_checkpoint(sft_path, get_task("arithmetic"))["model"]
     for name, w in weights["--skip-tied"].items():
         assert torch.allclose(w, weights["--no-skip-tied"][name], rtol=1e-9, atol=1e-12), name
     assert max((w - sft[name]).abs().max() for name, w in weights["--skip-tied"].items()) > 1e-5, "moved"

@@ -3,8 +3,8 @@ The GPU report: one command that makes the measurements the README's GPU lines n
 in at most --minutes (8: a lent machine's session), with its logs and a short report in one folder of at
 most 8 files.
 
-    python -m lab.gpu_report [--out DIR]          # on a machine with a CUDA GPU (DIR: $OUT, else out/gpu_report)
-    python -m lab.gpu_report --dry-run            # the same commands with tiny flags, on the CPU (a test runs it)
+    python -m lab.gpu_report [--out DIR]    # on a machine with a CUDA GPU (DIR: $OUT, else out/gpu_report)
+    python -m lab.gpu_report --dry-run      # the same commands with tiny flags, on the CPU (a test runs it)
 
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
 1. alone, so that its timings are the card's (at most 2 and 5 minutes):
@@ -54,7 +54,7 @@ def commands(runs_dir, dry_run):
     bench_tiny = tiny + (["--steps", "1", "--warmup", "0"] if dry_run else [])
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
                 "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
-    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # the dry run's own test runs it
+    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # (the dry run is a test)
     if dry_run:   # each kind of command once, side by side (its timings mean nothing), in seconds
         return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0"]),
                 (2, "countdown.log", "countdown", bgpo_py + tiny),
@@ -69,9 +69,9 @@ def commands(runs_dir, dry_run):
             (2, "sudoku.log", "sudoku", bgpo_py + ["--task", "sudoku"])]
 
 # the lines of a log that carry a command's result
-RESULT = re.compile(r"^(model .*|  s/step.*|\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|kept the SFT model.*|"
-                    r"held-out accuracy .*|step +\d+ .*held-out.*|warning: .*|.*(passed|failed|error).*|"
-                    r"pytest \d.*|.*Error.*)$")
+RESULT = re.compile(r"^(model .*|  s/step.*|\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
+                    r"kept the SFT model.*|held-out accuracy .*|step +\d+ .*held-out.*|warning: .*|"
+                    r".*(passed|failed|error).*|pytest \d.*|.*Error.*)$")
 
 def result_lines(text, most=14):
     lines = [line for line in text.splitlines() if RESULT.match(line)]
@@ -116,12 +116,12 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join("out", "gpu_report"),
                    help="the folder of the logs and report.md (at most 8 files)")
     p.add_argument("--minutes", type=float, default=8.0, help="the whole report's time limit")
-    p.add_argument("--dry-run", action="store_true", help="tiny flags on the CPU: checks that every command runs")
+    p.add_argument("--dry-run", action="store_true", help="tiny flags on the CPU: does every command run?")
     args = p.parse_args(argv)
     if not args.minutes > 0:
         p.error(f"--minutes must be positive, got {args.minutes}")
     if not args.dry_run and not torch.cuda.is_available():
-        p.error("no CUDA GPU here (a CPU build of PyTorch, or no GPU): --dry-run runs the commands on the CPU")
+        p.error("no CUDA GPU here (a CPU build of PyTorch?); --dry-run runs the commands on the CPU")
     os.makedirs(args.out, exist_ok=True)
     runs_dir = tempfile.mkdtemp(prefix="gpu_report_runs_")   # checkpoints: not among the files sent back
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.dry_run else {})}
@@ -146,9 +146,10 @@ def main(argv=None):
             began = time.time()
             code = finish(*start(argv, os.path.join(args.out, log), env), end)
             done.append((name, argv, log, code, began, time.time()))
-    logs = dict.fromkeys(c[1] for c in planned if c[0] == 2)
-    threads = [threading.Thread(target=run_in_order, args=(log, [c for c in planned if c[0] == 2 and c[1] == log]))
-               for log in logs]
+    groups = {}
+    for command in [c for c in planned if c[0] == 2]:
+        groups.setdefault(command[1], []).append(command)
+    threads = [threading.Thread(target=run_in_order, args=(log, group)) for log, group in groups.items()]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -158,19 +159,22 @@ def main(argv=None):
     order = [c[2] for c in planned]
     done.sort(key=lambda d: order.index(d[0]))
     samples = read_samples(os.path.join(args.out, "util.csv"))
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
+    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     lines = [f"# GPU report: {device}", "",
              f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
-             f"(limit {args.minutes:g} min). Phase 1 (bench_step, countdown) ran alone; the rest side by side.", ""]
+             f"(limit {args.minutes:g} min). Phase 1 (bench_step, countdown) ran alone; the rest side by "
+             "side.", ""]
     for name, argv, log, code, began, ended in done:
         util = utilisation(samples, began, ended)
         status = "stopped at the time limit" if code is None else f"exit code {code}"
-        lines += [f"## {name}: {status}, {ended - began:.0f} s" + (f", GPU {util:.0f}% busy" if util is not None
-                                                                   else ""),
+        busy = "" if util is None else f", GPU {util:.0f}% busy"
+        lines += [f"## {name}: {status}, {ended - began:.0f} s{busy}",
                   "", f"`{shlex.join(argv[1:])}` ({log})", "", "```"]
         text = open(os.path.join(args.out, log)).read()
-        own = text[text.rfind(f"$ {shlex.join(argv)}"):]   # this command's part of a shared log
+        first = text.rfind(f"$ {shlex.join(argv)}")   # this command's part of a log it may share
+        after = text.find("\n$ ", first + 1)
+        own = text[first:after if after >= 0 else len(text)]
         lines += result_lines(own) + ["```", ""]
     report = "\n".join(lines)
     bgpo.write_text(os.path.join(args.out, "report.md"), report)

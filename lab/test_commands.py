@@ -201,10 +201,10 @@ def test_the_memory_cap_names_the_gpu_by_its_index(monkeypatch):
     assert calls == [(0.25, 0), (0.25, 1), (1.0, 0)], calls
 
 def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
-    """python -m lab.gpu_report --dry-run: each kind of command a GPU session runs (the step benchmark, bgpo.py
-    at the GPU size, its memory table, torchrun, pytest), with tiny flags, side by side on the CPU, so that
-    the GPU's one command cannot rot between the sessions lent a GPU. Each exits 0, and the report shows its
-    result lines, in at most 8 files."""
+    """python -m lab.gpu_report --dry-run: each kind of command a GPU session runs (the step benchmark,
+    bgpo.py at the GPU size, its memory table, torchrun, pytest), with tiny flags, side by side on the CPU, so
+    that the GPU's one command cannot rot between the sessions lent a GPU. Each exits 0, and the report shows
+    its result lines (each command's own, where two share a log), in at most 8 files."""
     done = gpu_report.main(["--dry-run", "--out", str(tmp_path)])
     assert [(name, code) for name, _, _, code, _, _ in done] == [
         ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 0), ("pytest", 0)]
@@ -212,6 +212,8 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
     for shown in ("| ops: sampler update optim. other  total | path", "held-out accuracy 0.0% -> ",
                   " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest "):
         assert shown in report, (shown, report)
+    memory_table = report[report.index("## bench-memory"):report.index("## torchrun")]
+    assert " n_t | naive MiB" in memory_table and "torchrun_first_steps" not in memory_table, memory_table
     assert len(os.listdir(tmp_path)) <= 8, os.listdir(tmp_path)
 
 def test_memory_figure_holds_the_lines_it_draws():
