@@ -476,8 +476,8 @@ def run_rl(args, task, model):
 def show_unmasking(model, task, prompt, args):
     """Print how the greedy sampler writes one answer: at every step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
+    x = encode(task, [prompt], device=args.device)
     with autocast(args):
-        x = encode(task, [prompt], device=args.device)
         y, steps = generate(model, x, task.gen_len, return_steps=True)
     states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
                        for s in range(len(y[0])))
@@ -489,8 +489,9 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
-    """One on-policy update (forward, backward) of an RL batch of untied random rewards by each objective at
-    n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update's results (None: out of memory)."""
+    """Forward and backward (no optimizer step) of one on-policy update of a whole RL batch with random
+    rewards that never tie, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update
+    results, None where it ran out of memory (its row says so and the table goes on)."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
@@ -628,8 +629,9 @@ def describe_run(args):
 NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
 
 def refuse_to_overwrite(args):
-    """A folder that holds a run is continued (--resume, with its run.json's flags but NOT_RESULTS; a larger
-    --rl-steps makes it longer) or replaced (--overwrite: its checkpoint goes now), never silently reused."""
+    """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
+    a larger --rl-steps makes it longer) or replaced (--overwrite: its checkpoint goes now, never to be
+    resumed with the new log), never silently reused."""
     run_dir = os.path.join(args.out_dir, args.run_name)
     record, ckpt = os.path.join(run_dir, "run.json"), os.path.join(run_dir, "ckpt.pt")
     if args.overwrite and args.stage != "sft" and args.rank == 0 and os.path.isfile(ckpt):
