@@ -7,16 +7,15 @@ most 8 files.
     python -m lab.gpu_report --dry-run      # the same commands with tiny flags, on the CPU (a test runs it)
 
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
-1. alone, so that its timings are the card's (at most 2 and 5 minutes):
+1. alone, so that its timings are the card's (at most 1.5, 2 and 4 minutes; on an H200 16 s, ~1 and 2 min):
    - `python -m lab.bench_step --size gpu --cap-gib 24`: seconds per RL step of bgpo.py's path against the
-     float32 path it replaced, MFU, ops dispatched by phase (bench.log);
+     float32 path it replaced, MFU, ops dispatched by phase; then again with `--compile` (bench.log);
    - `python -m lab.capped 24 bgpo.py --size gpu`: Countdown at the GPU size, SFT then RL (countdown.log);
 2. side by side in the time left, one log file's commands after each other (timings shared with the rest):
    - `python -m pytest -q` (pytest.log);
    - `bgpo.py --size gpu --bench-memory` under the cap: where the naive update runs out; then 20 RL steps
      under `torchrun --nproc_per_node=1` (the launcher's path: one process makes no collective, so NCCL's
      all-reduce needs two GPUs) (memory.log);
-   - bench_step again with `--compile` (after the first in bench.log);
    - `bgpo.py --size gpu --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
      sudoku.log).
 The dry run runs each kind of command once (not the other two tasks, nor --compile), side by side.
@@ -60,11 +59,12 @@ def commands(runs_dir, dry_run):
                 (2, "countdown.log", "countdown", bgpo_py + tiny),
                 (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"] + tiny),
                 (2, "memory.log", "torchrun", torchrun + tiny), (2, "pytest.log", "pytest", pytest)]
-    return [(1, "bench.log", "bench_step", bench), (1, "countdown.log", "countdown", bgpo_py),
+    return [(1, "bench.log", "bench_step", bench),
+            (1, "bench.log", "bench_step --compile", bench + ["--compile"]),   # after the first, in its log
+            (1, "countdown.log", "countdown", bgpo_py),
             (2, "pytest.log", "pytest", pytest),
             (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"]),
             (2, "memory.log", "torchrun", torchrun),   # after the memory table, in its log
-            (2, "bench.log", "bench_step --compile", bench + ["--compile"]),
             (2, "arithmetic.log", "arithmetic", bgpo_py + ["--task", "arithmetic"]),
             (2, "sudoku.log", "sudoku", bgpo_py + ["--task", "sudoku"])]
 
@@ -76,6 +76,12 @@ RESULT = re.compile(r"^(model .*|  s/step.*|\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+
 def result_lines(text, most=14):
     lines = [line for line in text.splitlines() if RESULT.match(line)]
     return lines if len(lines) <= most else lines[:4] + ["..."] + lines[-(most - 5):]
+
+def own_part(text, argv):
+    """The part of a log, which other commands may share, that argv's command wrote (from its "$ " line)."""
+    first = text.rfind(f"$ {shlex.join(argv)}\n")   # the whole line: one command's may begin another's
+    after = text.find("\n$ ", first + 1)
+    return text[first:after if after >= 0 else len(text)]
 
 def utilisation(samples, start, end):
     """The mean GPU utilisation (%) of the samples (time, percent) taken between start and end, or None."""
@@ -134,7 +140,7 @@ def main(argv=None):
         stdout=open(os.path.join(args.out, "util.csv"), "w")) if smi else None
     done = []   # (name, argv, log, code, start, end)
     planned = commands(runs_dir, args.dry_run)
-    limits = {"bench_step": 120, "countdown": 300}   # phase 1's, in seconds; the rest share the time left
+    limits = {"bench_step": 90, "bench_step --compile": 120, "countdown": 240}   # phase 1's, in seconds
     for phase, log, name, argv in [c for c in planned if c[0] == 1]:
         began = time.time()
         process, handle = start(argv, os.path.join(args.out, log), env)
@@ -163,19 +169,15 @@ def main(argv=None):
     lines = [f"# GPU report: {device}", "",
              f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
-             f"(limit {args.minutes:g} min). Phase 1 (bench_step, countdown) ran alone; the rest side by "
-             "side.", ""]
+             f"(limit {args.minutes:g} min). Phase 1 (bench_step, with --compile, countdown) ran alone; the "
+             "rest side by side.", ""]
     for name, argv, log, code, began, ended in done:
         util = utilisation(samples, began, ended)
         status = "stopped at the time limit" if code is None else f"exit code {code}"
         busy = "" if util is None else f", GPU {util:.0f}% busy"
         lines += [f"## {name}: {status}, {ended - began:.0f} s{busy}",
                   "", f"`{shlex.join(argv[1:])}` ({log})", "", "```"]
-        text = open(os.path.join(args.out, log)).read()
-        first = text.rfind(f"$ {shlex.join(argv)}")   # this command's part of a log it may share
-        after = text.find("\n$ ", first + 1)
-        own = text[first:after if after >= 0 else len(text)]
-        lines += result_lines(own) + ["```", ""]
+        lines += result_lines(own_part(open(os.path.join(args.out, log)).read(), argv)) + ["```", ""]
     report = "\n".join(lines)
     bgpo.write_text(os.path.join(args.out, "report.md"), report)
     shutil.rmtree(runs_dir, ignore_errors=True)

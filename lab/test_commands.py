@@ -216,6 +216,14 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
     assert " n_t | naive MiB" in memory_table and "torchrun_first_steps" not in memory_table, memory_table
     assert len(os.listdir(tmp_path)) <= 8, os.listdir(tmp_path)
 
+def test_the_gpu_report_reads_each_command_its_own_part_of_a_shared_log():
+    """bench.log holds bench_step's table and then the same command with --compile: each gets its own, though
+    the first command's line begins the second's."""
+    first, second = ["python", "-m", "lab.bench_step"], ["python", "-m", "lab.bench_step", "--compile"]
+    log = "$ python -m lab.bench_step\n0.0586 3.15x\n$ python -m lab.bench_step --compile\n0.0628 3.00x\n"
+    assert gpu_report.own_part(log, first) == "$ python -m lab.bench_step\n0.0586 3.15x"
+    assert gpu_report.own_part(log, second) == "$ python -m lab.bench_step --compile\n0.0628 3.00x\n"
+
 def test_memory_figure_holds_the_lines_it_draws():
     measured = lambda mb, s: {"mb": mb, "s": s, "cuda_mb": None}
     rows = [{"n_t": n, "naive": measured(10.0 * n, 1.0), "bgpo": measured(10.0, 0.5)} for n in (1, 2)]
