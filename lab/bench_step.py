@@ -127,9 +127,36 @@ def time_path(task, args, path, bench):
     cuda_mb = torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None
     with OpCounter() as ops:   # one more step, counted (the counter's Python costs time: not timed)
         rl_step(step_model, optimizer, task, args, generator, noise, meter=not new_gpu_path, ops=ops)
+    profile = bench.profile and path == "bgpo.py" and profile_step(
+        lambda: rl_step(step_model, optimizer, task, args, generator, noise, meter=False), args.device)
     return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
             "cuda_mb": cuda_mb, "flops": step_flops(model, task, args), "params": model.num_params(),
-            "ops": dict(ops.counts)}
+            "ops": dict(ops.counts), "profile": profile}
+
+def profile_step(step, device):
+    """One more step under torch.profiler: where its wall time goes. Returns the lines to print: the step's
+    wall time, the host's time inside ATen ops (self CPU time summed over ops: dispatch, launches, the CPU's
+    kernels), the GPU's kernel time (self device time summed), and the ops that took each longest. Wall time
+    past the host's ops is Python's: the sampler's loop, the rewards, the modules' calls."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    host, gpu = sum(e.self_cpu_time_total for e in events) / 1e6, sum(device_us(e) for e in events) / 1e6
+    on_gpu = f", the GPU {gpu * 1e3:.1f} ms in kernels" if cuda else ""
+    lines = [f"profile of one bgpo.py step (the profiler's own costs in it): {wall * 1e3:.1f} ms wall, the "
+             f"host {host * 1e3:.1f} ms in ATen ops{on_gpu}"]
+    for label, key in [("host", lambda e: e.self_cpu_time_total)] + ([("GPU", device_us)] if cuda else []):
+        top = sorted(events, key=key, reverse=True)[:6]
+        lines.append(f"  longest on the {label}: " + ", ".join(
+            f"{e.key[6:]} {key(e) / 1e3:.1f} ms x{e.count}" for e in top))
+    return lines
 
 def peak_flops(args, bench):
     if bench.peak_tflops:
@@ -147,6 +174,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model of bgpo.py's path")
     p.add_argument("--cap-gib", type=float, default=None,
                    help="CUDA: cap this process's GPU memory (24: a consumer GPU's budget on a bigger card)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step of bgpo.py's path under torch.profiler: the host's time and the GPU's")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help=f"the device's dense bf16 peak for MFU (None: by its name, {PEAK_TFLOPS})")
     bench, rest = p.parse_known_args(argv)   # the rest are bgpo.py's flags, checked by bgpo.parse_args
@@ -180,6 +209,11 @@ def main(argv=None):
               + (f" {row['cuda_mb']:13.0f}" if cuda else "")
               + " | " + " ".join(f"{n:>{w}}" for n, w in zip(ops + [sum(ops)], (12, 6, 6, 5, 6)))
               + f" | {labels[path]}")
+    for line in rows["bgpo.py"]["profile"] or []:
+        print(line)
+    if bench.compile:   # more graphs than the sampler's and the update's: a model that recompiles
+        from torch._dynamo.utils import counters
+        print(f"torch.compile: {dict(counters['stats'])}")
     return rows
 
 if __name__ == "__main__":

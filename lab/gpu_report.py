@@ -9,7 +9,8 @@ most 8 files.
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
 1. alone, so that its timings are the card's (at most 1.5, 2 and 4 minutes; on an H200 16 s, ~1 and 2 min):
    - `python -m lab.bench_step --size gpu --cap-gib 24`: seconds per RL step of bgpo.py's path against the
-     float32 path it replaced, MFU, ops dispatched by phase; then again with `--compile` (bench.log);
+     float32 path it replaced, MFU, ops dispatched by phase, a profile of one step (the host's time against
+     the GPU's); then again with `--compile` (bench.log);
    - `python -m lab.capped 24 bgpo.py --size gpu`: Countdown at the GPU size, SFT then RL (countdown.log);
 2. side by side in the time left, one log file's commands after each other (timings shared with the rest):
    - `python -m pytest -q` (pytest.log);
@@ -50,16 +51,15 @@ def commands(runs_dir, dry_run):
     py, tiny = sys.executable, TINY if dry_run else []
     bgpo_py = [py, "-m", "lab.capped", "24", "bgpo.py", "--size", "gpu", "--out-dir", runs_dir]
     bench = [py, "-m", "lab.bench_step", "--size", "gpu", "--cap-gib", "24", "--steps", "10", "--warmup", "3"]
-    bench_tiny = tiny + (["--steps", "1", "--warmup", "0"] if dry_run else [])
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
                 "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
     pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # (the dry run is a test)
     if dry_run:   # each kind of command once, side by side (its timings mean nothing), in seconds
-        return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0"]),
+        return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0", "--profile"]),
                 (2, "countdown.log", "countdown", bgpo_py + tiny),
                 (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"] + tiny),
                 (2, "memory.log", "torchrun", torchrun + tiny), (2, "pytest.log", "pytest", pytest)]
-    return [(1, "bench.log", "bench_step", bench),
+    return [(1, "bench.log", "bench_step", bench + ["--profile"]),
             (1, "bench.log", "bench_step --compile", bench + ["--compile"]),   # after the first, in its log
             (1, "countdown.log", "countdown", bgpo_py),
             (2, "pytest.log", "pytest", pytest),
@@ -69,7 +69,8 @@ def commands(runs_dir, dry_run):
             (2, "sudoku.log", "sudoku", bgpo_py + ["--task", "sudoku"])]
 
 # the lines of a log that carry a command's result
-RESULT = re.compile(r"^(model .*|  s/step.*|\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
+RESULT = re.compile(r"^(model .*|  s/step.*|profile of .*|  longest on .*|torch.compile: .*|"
+                    r"\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
                     r"kept the SFT model.*|held-out accuracy .*|step +\d+ .*held-out.*|warning: .*|"
                     r".*(passed|failed|error).*|pytest \d.*|.*Error.*)$")
 

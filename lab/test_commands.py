@@ -4,6 +4,7 @@ the estimator lab, the memory table, the comparison figure; bad flags exit 2 wit
 """
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -173,8 +174,12 @@ def test_the_step_benchmarks_flop_count_is_the_tokens_its_step_passes_through_th
     assert bench_step.step_flops(model, task, args) == tokens[False] * forward + tokens[True] * 3 * forward
 
 def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, capsys):
-    rows = bench_step.main(tiny_argv(tmp_path, "--steps", "1", "--warmup", "0", "--peak-tflops", "1"))
+    rows = bench_step.main(tiny_argv(tmp_path, "--steps", "1", "--warmup", "0", "--peak-tflops", "1",
+                                     "--profile"))
     out = capsys.readouterr().out
+    # the profile's sum over ATen ops against the step's wall time: the host's ops fit inside the step
+    wall, host = map(float, re.search(r"([\d.]+) ms wall, the host ([\d.]+) ms in ATen ops", out).groups())
+    assert 0 < host <= wall and "longest on the host: " in out, out
     assert set(rows) == {"float32", "bgpo.py"} and all(r["s"] > 0 and 0 < r["mfu"] < 1 for r in rows.values())
     assert rows["float32"]["act_mb"] == rows["bgpo.py"]["act_mb"] > 0   # the CPU: one path, metered
     assert "| float32, random numbers drawn on the CPU" in out and "| bgpo.py: float32" in out, out
@@ -209,7 +214,8 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
     assert [(name, code) for name, _, _, code, _, _ in done] == [
         ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 0), ("pytest", 0)]
     report = (tmp_path / "report.md").read_text()
-    for shown in ("| ops: sampler update optim. other  total | path", "held-out accuracy 0.0% -> ",
+    for shown in ("| ops: sampler update optim. other  total | path", "profile of one bgpo.py step",
+                  "held-out accuracy 0.0% -> ",
                   " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest "):
         assert shown in report, (shown, report)
     memory_table = report[report.index("## bench-memory"):report.index("## torchrun")]
