@@ -18,7 +18,9 @@ What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consu
      under `torchrun --nproc_per_node=1` (the launcher's path: one process makes no collective, so NCCL's
      all-reduce needs two GPUs) (memory.log);
    - `bgpo.py --size gpu --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
-     sudoku.log).
+     sudoku.log);
+   - Countdown again with `--demos 0` (SFT on fresh demonstrations every step): one run, a screen of what
+     stands between the GPU size and 50% held-out (after the first in countdown.log).
 The dry run runs each kind of command once (not the other two tasks, nor --compile), side by side.
 The GPU's utilisation is sampled every 0.5 s (nvidia-smi, util.csv); report.md gives, for each command, its
 exit status, seconds, mean utilisation and the lines that carry its result.
@@ -65,6 +67,9 @@ def commands(runs_dir, dry_run):
             (2, "pytest.log", "pytest", pytest),
             (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"]),
             (2, "memory.log", "torchrun", torchrun),   # after the memory table, in its log
+            # a screen for the 50% goal (seed 0, one run): SFT on fresh demonstrations every step, not 2,000
+            (2, "countdown.log", "countdown --demos 0",
+             bgpo_py + ["--demos", "0", "--run-name", "countdown_fresh_demos_gpu"]),
             (2, "arithmetic.log", "arithmetic", bgpo_py + ["--task", "arithmetic"]),
             (2, "sudoku.log", "sudoku", bgpo_py + ["--task", "sudoku"])]
 
