@@ -113,6 +113,8 @@ def time_path(task, args, path, bench):
     generator = torch.Generator().manual_seed(args.seed + 1)
     new_gpu_path = cuda and path == "bgpo.py"
     noise = torch.Generator(args.device).manual_seed(args.seed + 2) if new_gpu_path else generator
+    one_step = lambda ops=None: rl_step(step_model, optimizer, task, args, generator, noise,
+                                        meter=not new_gpu_path, ops=ops)
     if cuda:
         torch.cuda.reset_peak_memory_stats(args.device)
     seconds = []
@@ -120,15 +122,14 @@ def time_path(task, args, path, bench):
         if cuda:
             torch.cuda.synchronize(args.device)
         t0 = time.perf_counter()
-        activations = rl_step(step_model, optimizer, task, args, generator, noise, meter=not new_gpu_path)
+        activations = one_step()
         if cuda:
             torch.cuda.synchronize(args.device)
         seconds.append(time.perf_counter() - t0)
     cuda_mb = torch.cuda.max_memory_allocated(args.device) / 2**20 if cuda else None
     with OpCounter() as ops:   # one more step, counted (the counter's Python costs time: not timed)
-        rl_step(step_model, optimizer, task, args, generator, noise, meter=not new_gpu_path, ops=ops)
-    profile = bench.profile and path == "bgpo.py" and profile_step(
-        lambda: rl_step(step_model, optimizer, task, args, generator, noise, meter=False), args.device)
+        one_step(ops)
+    profile = bench.profile and path == "bgpo.py" and profile_step(one_step, args.device)
     return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
             "cuda_mb": cuda_mb, "flops": step_flops(model, task, args), "params": model.num_params(),
             "ops": dict(ops.counts), "profile": profile}
