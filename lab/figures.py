@@ -71,6 +71,9 @@ def draw(figure, png_path):
                 ax.fill_between(line["x"], *line["band"], color=drawn.get_color(), alpha=0.15, linewidth=0)
         ax.set(xlabel=panel["xlabel"], xscale=panel.get("xscale", "linear"),
                yscale=panel.get("yscale", "linear"))
+        if "xticks" in panel:   # these ticks only, labelled as plain numbers (a log axis would say 2 x 10^0)
+            ax.set_xticks(panel["xticks"], [str(x) for x in panel["xticks"]], minor=False)
+            ax.set_xticks([], minor=True)
         ax.set_title(panel["title"], fontsize=9)
         if panel["lines"]:
             ax.legend(fontsize=7)

@@ -17,7 +17,8 @@ its 95% interval (Student t over seeds), and the paired difference (same seed) f
 --reference, with their intervals. An interval that includes 0 means "not distinguishable here". Then what
 the RL runs logged (lab.rl's diagnostics). The figure: held-out accuracy (the runs' progress evaluations,
 --eval-size problems) against the RL step, a line per arm with its 95% interval as a band, as it is and
-minus the seed's SFT model.
+minus the seed's SFT model. With three or more arms that differ by --mc-samples alone (bgpo, nt1, nt2, ...),
+also a table and a figure (_nt.png) against n_t: the final accuracy, and the update's seconds a step.
 """
 import argparse
 import functools
@@ -334,6 +335,48 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None, eval_size=None):
                        "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})
     return {"panels": panels, "width": 11, "rows": 1 if len(panels) <= 2 else 2}
 
+def mc_samples_arms(arms, flags):
+    """{arm: n_t} of the arms that differ from bgpo by --mc-samples alone (bgpo's n_t: the flags')."""
+    return {arm: rl.parse_args([*flags, *ARMS[arm][1]]).mc_samples for arm in arms
+            if ARMS[arm][0] == "lab.rl" and ARMS[arm][1][::2] in ([], ["--mc-samples"])}
+
+def step_costs(jobs):
+    """{arm: {seed: {"update_s", "activation_mb"}}}: per finished run, the medians over its RL steps of the
+    seconds outside the rollouts (the update, its MC draws, the log's one entropy pass) and of the update's
+    activations (the meter's peak; a step without an update logs 0 and is left out)."""
+    out = {}
+    for job in jobs:
+        path = os.path.join(job["folder"] or "", "log.jsonl")
+        if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
+            steps = [r for r in map(json.loads, open(path)) if "rollout_seconds" in r]
+            if steps:
+                out.setdefault(job["arm"], {})[job["seed"]] = {
+                    "update_s": statistics.median(r["seconds"] - r["rollout_seconds"] for r in steps),
+                    "activation_mb": statistics.median([r["activation_mb"] for r in steps
+                                                        if r["activation_mb"]] or [0.0])}
+    return out
+
+def nt_figure(finals, costs, n_t_of, reference):
+    """The final held-out accuracy against n_t (mean over seeds, 95% band; and minus reference, paired by
+    seed), and the seconds of a step's update against n_t: the arms that differ by n_t alone (n_t_of)."""
+    arms = sorted((arm for arm in n_t_of if arm in finals), key=n_t_of.get)
+    by_x = lambda value: {n_t_of[arm]: {seed: value(arm, seed) for seed in finals[arm]} for arm in arms}
+    accuracy = by_x(lambda arm, seed: 100 * finals[arm][seed]["accuracy"])
+    sft = by_x(lambda arm, seed: 100 * finals[arm][seed]["sft_accuracy"])
+    ref = finals.get(reference, {})
+    minus = {n_t_of[arm]: {s: 100 * (f["accuracy"] - ref[s]["accuracy"]) for s, f in finals[arm].items()
+                           if s in ref} for arm in arms}
+    seconds = {n_t_of[arm]: {s: c["update_s"] for s, c in costs.get(arm, {}).items()} for arm in arms}
+    log2 = {"xlabel": "MC samples n_t", "xscale": "log", "xticks": [n_t_of[arm] for arm in arms]}
+    return {"panels": [
+        {"title": "held-out accuracy (%) after RL: mean over seeds, 95% interval", **log2,
+         "lines": [{"label": "RL", **band(accuracy)},
+                   {"label": "SFT model", "color": "grey", "style": "--", **band(sft)}]},
+        {"title": f"minus n_t {n_t_of[reference]} (points), paired by seed", **log2,
+         "lines": [{"label": "RL", **band({x: v for x, v in minus.items() if len(v) > 1})}]},
+        {"title": "seconds of a step outside the rollouts (median over steps)", **log2,
+         "lines": [{"label": "update", **band({x: v for x, v in seconds.items() if v})}]}]}
+
 # -----------------------------------------------------------------------------
 # The command line
 
@@ -426,6 +469,17 @@ def main(argv=None):
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, run_args.eval_size), png)
+    n_t_of = mc_samples_arms(args.arms, flags)
+    if len(n_t_of) >= 3 and args.reference in n_t_of:   # a curve in n_t: its table and figure
+        costs = step_costs(jobs)
+        print(f"\nagainst n_t, medians over a run's steps, mean over seeds: the seconds outside the rollouts "
+              f"and BGPO's activations\n{'arm':<14} {'n_t':>4} {'update s':>9} {'act MiB':>8}")
+        for arm in sorted(costs, key=lambda a: n_t_of.get(a, math.inf)):
+            if arm in n_t_of:
+                update, act = ([c[key] for c in costs[arm].values()] for key in ("update_s", "activation_mb"))
+                print(f"{arm:<14} {n_t_of[arm]:>4} {statistics.fmean(update):>9.2f} "
+                      f"{statistics.fmean(act):>8.1f}")
+        draw(nt_figure(finals, costs, n_t_of, args.reference), os.path.splitext(png)[0] + "_nt.png")
     if not args.table_only:   # the record of the sweep that ran
         cli.write_json(os.path.join(out_dir, "sweep.json"),
                         {"command": sys.argv, "rows": rows, "finals": finals, "failed": failed})

@@ -169,6 +169,35 @@ def test_the_sweep_figure_draws_each_arms_mean_and_its_paired_gain_with_their_in
     # s = |6 - 10| / sqrt(2), half-width t_{0.975,1} s / sqrt(2) = 12.706 x 2
     assert right["band"][1][1] - 8.0 == pytest.approx(12.706 * 2, rel=1e-4)
 
+def test_the_n_t_curve_takes_the_arms_that_differ_by_n_t_alone_and_places_each_at_its_n_t(tmp_path):
+    arms = ["bgpo", "nt2", "rft", "nt4-p25", "nt16"]
+    assert sweep.mc_samples_arms(arms, []) == {"bgpo": 8, "nt2": 2, "nt16": 16}  # nt4-p25: prompts differ
+    assert sweep.mc_samples_arms(arms, ["--mc-samples", "4"])["bgpo"] == 4        # bgpo's n_t: the flags'
+    final = lambda accuracy, sft: {"accuracy": accuracy, "sft_accuracy": sft}
+    finals = {"bgpo": {0: final(0.30, 0.10), 1: final(0.20, 0.12)},
+              "nt2": {0: final(0.26, 0.10), 1: final(0.18, 0.12)},
+              "nt16": {0: final(0.31, 0.10), 1: final(0.25, 0.12)}}
+    # the costs from the runs' logs: medians over steps; a step without an update (activation 0) left out
+    jobs = []
+    for arm, seed in [(a, s) for a in finals for s in (0, 1)]:
+        folder = tmp_path / f"{arm}{seed}"
+        folder.mkdir()
+        (folder / "final.json").write_text("{}")
+        scale = {"nt2": 1, "bgpo": 4, "nt16": 8}[arm] * (1 + seed)
+        (folder / "log.jsonl").write_text("".join(json.dumps(
+            {"step": i, "seconds": 1 + 0.1 * scale * i, "rollout_seconds": 1, "activation_mb": mb}) + "\n"
+            for i, mb in ((1, 5.0), (2, 0.0), (3, 7.0))))
+        jobs.append({"arm": arm, "seed": seed, "folder": str(folder)})
+    costs = sweep.step_costs(jobs)
+    assert costs["nt2"][0] == pytest.approx({"update_s": 0.2, "activation_mb": 6.0})
+    accuracy, sft, minus, update = (line for panel in sweep.nt_figure(finals, costs, {"bgpo": 8, "nt2": 2,
+                                    "nt16": 16}, "bgpo")["panels"] for line in panel["lines"])
+    assert accuracy["x"] == [2, 8, 16] and accuracy["y"] == pytest.approx([22.0, 25.0, 28.0])
+    assert sft["y"] == pytest.approx([11.0] * 3)
+    assert minus["y"] == pytest.approx([-3.0, 0.0, 3.0])          # nt2: -4 and -2; nt16: +1 and +5
+    assert minus["band"][1][2] - 3.0 == pytest.approx(12.706 * 2, rel=1e-4)   # s = 4 / sqrt(2)
+    assert update["y"] == pytest.approx([0.3, 1.2, 2.4])           # medians 0.2 and 0.4 for nt2, ...
+
 def test_the_control_finds_the_rl_run_that_its_flags_name_lab_flags_included():
     for extra in ([], ["--rl-lr", "2e-4"], ["--temperature", "1.0", "--sft-steps", "30"]):
         expected = os.path.join("out", rl.parse_args(extra).run_name + "_sft-continued")
