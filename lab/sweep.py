@@ -244,15 +244,21 @@ def print_table(rows, reference, size, measure="accuracy"):
               f"{show(*minus_sft, signed=True, percent=percent) if minus_sft else '':<22} "
               f"{show(*minus_ref, signed=True, percent=percent) if minus_ref else ''}")
 
+def finished_logs(jobs):
+    """(job, its log.jsonl records) for each finished arm run (its final.json written)."""
+    for job in jobs:
+        if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
+            with open(os.path.join(job["folder"], "log.jsonl")) as f:
+                yield job, [json.loads(line) for line in f]
+
 def curves(jobs, key="accuracy"):
     """{arm: {step: {seed: value}}} of a logged quantity at the finished runs' progress evaluations
     (log.jsonl): "accuracy", or "eval_entropy"."""
     out = {}
-    for job in jobs:
-        if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
-            for r in map(json.loads, open(os.path.join(job["folder"], "log.jsonl"))):
-                if key in r:
-                    out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r[key]
+    for job, records in finished_logs(jobs):
+        for r in records:
+            if key in r:
+                out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r[key]
     return out
 
 def diagnostics(jobs):
@@ -345,15 +351,13 @@ def step_costs(jobs):
     seconds outside the rollouts (the update, its MC draws, the log's one entropy pass) and of the update's
     activations (the meter's peak; a step without an update logs 0 and is left out)."""
     out = {}
-    for job in jobs:
-        path = os.path.join(job["folder"] or "", "log.jsonl")
-        if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
-            steps = [r for r in map(json.loads, open(path)) if "rollout_seconds" in r]
-            if steps:
-                out.setdefault(job["arm"], {})[job["seed"]] = {
-                    "update_s": statistics.median(r["seconds"] - r["rollout_seconds"] for r in steps),
-                    "activation_mb": statistics.median([r["activation_mb"] for r in steps
-                                                        if r["activation_mb"]] or [0.0])}
+    for job, records in finished_logs(jobs):
+        steps = [r for r in records if "rollout_seconds" in r]
+        if steps:
+            out.setdefault(job["arm"], {})[job["seed"]] = {
+                "update_s": statistics.median(r["seconds"] - r["rollout_seconds"] for r in steps),
+                "activation_mb": statistics.median([r["activation_mb"] for r in steps if r["activation_mb"]]
+                                                   or [0.0])}
     return out
 
 def nt_figure(finals, costs, n_t_of, reference):
@@ -474,11 +478,10 @@ def main(argv=None):
         costs = step_costs(jobs)
         print(f"\nagainst n_t, medians over a run's steps, mean over seeds: the seconds outside the rollouts "
               f"and BGPO's activations\n{'arm':<14} {'n_t':>4} {'update s':>9} {'act MiB':>8}")
-        for arm in sorted(costs, key=lambda a: n_t_of.get(a, math.inf)):
-            if arm in n_t_of:
-                update, act = ([c[key] for c in costs[arm].values()] for key in ("update_s", "activation_mb"))
-                print(f"{arm:<14} {n_t_of[arm]:>4} {statistics.fmean(update):>9.2f} "
-                      f"{statistics.fmean(act):>8.1f}")
+        for arm in sorted((arm for arm in costs if arm in n_t_of), key=n_t_of.get):
+            update, act = ([c[key] for c in costs[arm].values()] for key in ("update_s", "activation_mb"))
+            print(f"{arm:<14} {n_t_of[arm]:>4} {statistics.fmean(update):>9.2f} "
+                  f"{statistics.fmean(act):>8.1f}")
         draw(nt_figure(finals, costs, n_t_of, args.reference), os.path.splitext(png)[0] + "_nt.png")
     if not args.table_only:   # the record of the sweep that ran
         cli.write_json(os.path.join(out_dir, "sweep.json"),
