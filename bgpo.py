@@ -106,12 +106,12 @@ def naive_objective(d, A, clip_eps=None):
 def bgpo_bound(d, A, n_t, clip_eps=None):
     """BGPO's per-sample terms g_j (Eq. 13): (B, M) log-ratios of M of the n_t samples -> (B, M),
     with R_lb = sum over all n_t samples of g_j <= R_hat.
-      A >= 0: e^u >= 1 + u (Lemma 1, the tangent at 0), so exp(mean d) A >= mean(1 + d_j) A.
-      A <  0: e^{mean u} <= mean e^{u_j} (Lemma 2, Jensen), and A < 0 flips it:
-              exp(mean d) A >= mean(e^{d_j}) A.
+      A >= 0: e^m >= 1 + m for m = mean_j d_j (Lemma 1, the tangent at 0), so exp(m) A >= mean(1 + d_j) A.
+      A <  0: e^m <= mean e^{d_j} (Lemma 2, Jensen), and A < 0 flips it:
+              exp(m) A >= mean(e^{d_j}) A.
     Both hold with PPO's clip applied per sample too (the clipped objective is concave and monotone
     in the ratio). Both equal R_hat when every d_j = 0, i.e. on-policy. 1 + d is used as is, never as
-    exp(log(1 + d)) (DARE's form), which is NaN for d <= -1."""
+    exp(log(1 + d)) (DARE's form), which is NaN for d < -1 and has a NaN gradient at -1."""
     A = A[:, None]
     positive = A >= 0
     # exp(d) only where A < 0: in float32 exp(d) is inf for d > 88, and torch.where's backward would

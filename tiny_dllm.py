@@ -17,8 +17,8 @@ Simplifications versus LLaDA:
    from 1..L (weight L/k) by default. LLaDA draws t ~ U(0,1), masks each token with probability
    p_mask = (1 - eps) t + eps, eps = 1e-3, and weights by 1/p_mask (at most 1000). scheme="iid" here is
    that form without the floor: t ~ U(0,1], weight 1/t, unbounded, so its variance is infinite
-   (log-divergent as t -> 0). Both forms are unbiased for the same ELBO; on 4-16-token completions the
-   count form's far lower variance makes SFT several times faster.
+   (log-divergent as t -> 0). Both estimate the same ELBO (LLaDA's up to its floor, an O(eps) change); on
+   4-16-token completions the count form's far lower variance makes SFT several times faster.
 
 Shapes: B batch, M Monte Carlo samples (n_t), N rows given to the network (B, or B x M masked copies),
 L completion length, P prompt length, T = P + L, V vocabulary, C embedding width.
@@ -205,7 +205,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             logits = model(x).float()                                    # (B, T, V)
             if temperature == 0:
                 x0 = logits.argmax(-1)                                   # (B, T) a token everywhere
-            else:  # Gumbel-max sampling from softmax(logits / T), the noise drawn where the generator is
+            else:  # Gumbel-max sampling from softmax(logits / temperature); noise from the generator's device
                 device = "cpu" if generator is None else generator.device
                 u = torch.rand(logits.shape, generator=generator, device=device).clamp(1e-10, 1 - 1e-10)
                 x0 = (logits + temperature * -torch.log(-torch.log(u)).to(logits.device)).argmax(-1)
