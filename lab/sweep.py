@@ -34,7 +34,7 @@ import torch
 
 import bgpo
 from lab import cli, control, rl
-from lab.figures import draw
+from lab.figures import draw, read_log
 
 ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arms differ by their flags only
     "bgpo": ("lab.rl", []),                                     # the default: BGPO, n_t 8, negatives x 0.5
@@ -248,8 +248,7 @@ def finished_logs(jobs):
     """(job, its log.jsonl records) for each finished arm run (its final.json written)."""
     for job in jobs:
         if job.get("arm") and os.path.isfile(os.path.join(job["folder"], "final.json")):
-            with open(os.path.join(job["folder"], "log.jsonl")) as f:
-                yield job, [json.loads(line) for line in f]
+            yield job, read_log(os.path.join(job["folder"], "log.jsonl"))
 
 def curves(jobs, key="accuracy"):
     """{arm: {step: {seed: value}}} of a logged quantity at the finished runs' progress evaluations
@@ -273,7 +272,7 @@ def diagnostics(jobs):
         path = os.path.join(job["folder"] or "", "log.jsonl")
         if not (job.get("arm") and ARMS[job["arm"]][0] == "lab.rl" and os.path.isfile(path)):
             continue
-        steps = [r for r in map(json.loads, open(path)) if "grad_pos" in r]
+        steps = [r for r in read_log(path) if "grad_pos" in r]
         for r in steps:   # a part without rows logs 0: then there is no ratio or cosine to take
             r["neg_over_pos"] = r["grad_neg"] / r["grad_pos"] if r["grad_pos"] > 0 else math.nan
             r["cos_pos_neg"] = r["cos_pos_neg"] if r["grad_pos"] > 0 and r["grad_neg"] > 0 else math.nan

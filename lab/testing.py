@@ -1,9 +1,8 @@
 """The lab tests' tiny models, batches and helpers (copied from the tutorial's test_bgpo.py)."""
-import json
-
 import torch
 
 from bgpo import draw_mc_samples, elbo_terms
+from lab.figures import read_log   # noqa: F401 (the lab tests read logs through this module)
 from tiny_dllm import ModelConfig, TinyDLLM
 
 def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
@@ -24,9 +23,6 @@ def random_batch(B=6, P=3, L=5, vocab_size=10, seed=0):
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-def read_log(path):
-    return [json.loads(line) for line in open(path)]
 
 def report(a, b):
     diff = (a - b).abs()
