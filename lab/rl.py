@@ -21,14 +21,18 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    N training problems and report the accuracy on them beside the held-out one), --final-eval-size N (the
    SFT model and the final one on N held-out problems, greedy accuracy and entropy, in final.json: the
    sweep's tables read it) with --pass-at-k-size N (pass@k at the rollout temperature on the first N of
-   them), --sft-stop N (RL from step N of the same SFT run instead of the model SFT keeps), and for BGPO
-   two levers that spend the policy's entropy slower: --cov-detach F and --entropy-coef C.
+   them), --sft-stop N (RL from step N of the same SFT run instead of the model SFT keeps), for BGPO
+   two levers that spend the policy's entropy slower: --cov-detach F and --entropy-coef C, and two levers for
+   RL past the SFT model's reach (lab/levers.py): --dynamic-batches N (DAPO's dynamic sampling) and --hints
+   (IGPO's inpainted rollouts for the groups that all fail, or the known solution itself as their control).
 3. Diagnostics in log.jsonl: for an objective that is a mean over rows (Objective.row_mean), the update is
    built in two parts, the rows with A > 0 and those with A < 0 (each part's A scaled by its share of the
    rows, so they add up to the same step), logged as grad_pos, grad_neg and their cosine cos_pos_neg; the
    groups that differ by a solve (solve_groups) or by partial credit only (credit_only_groups); the
    policy's first-step prediction entropy; the sampler's forward passes per rollout (rollout_passes) and
-   the rollouts' seconds; the share of well-formed answers (valid).
+   the rollouts' seconds; the share of well-formed answers (valid); of every group the sampler drew, the
+   share never solved and always solved (never_solved, always_solved); the share of the update's rows with
+   A != 0 (informative_rows); the sampler batches drawn (sampler_batches) and the groups hinted.
    Splitting the update changes the float summation order, so a run here differs from bgpo.py's by
    rounding, not by what it computes.
 """
@@ -49,6 +53,7 @@ from lab import cli
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
 from lab.estimators import random_order_log_likelihood
+from lab.levers import dynamic_rollouts, hinted_rollouts
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, encode, get_task, parse_expression
 from tiny_dllm import ActivationMemory, sft_loss
@@ -99,6 +104,13 @@ def make_parser():
     a("--remasking", choices=["low_confidence", "random"], default="low_confidence",
       help="which positions a rollout step commits: the most confident, or uniformly random ones")
     a("--rl-pool", type=int, default=0, help="practise on a fixed pool of N training problems; 0: fresh ones")
+    a("--dynamic-batches", type=int, default=1,
+      help="DAPO's dynamic sampling: keep only the groups whose rewards differ, drawing fresh prompts again "
+           "until --prompts-per-step are kept or this many sampler batches were drawn; 1: off "
+           "(lab/levers.py)")
+    a("--hints", choices=["none", "inpaint", "solution"], default="none",
+      help="for a group whose rollouts all fail, IGPO's inpainted rollout (part of a known solution fixed, "
+           "kept if it solves) or the known solution itself, in place of its last rollout (lab/levers.py)")
     a("--sft-stop", type=int, default=0,
       help="stop SFT at this step and start RL from that step's model (the same SFT run, trained less); "
            "0: bgpo.py's SFT, which keeps its best validated model")
@@ -108,7 +120,8 @@ def make_parser():
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_uU][_kK][_poolN]_seedS"
+           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_dynN][_hints-H][_uU][_kK]"
+           "[_poolN]_seedS"
            "[_HASH], HASH: of every other flag that differs from its default)")
     return p
 
@@ -160,13 +173,19 @@ def parse_args(argv=None):
                 "--minibatches 1")
     if args.sft_stop > args.sft_steps:
         p.error(f"--sft-stop {args.sft_stop} is past --sft-steps {args.sft_steps}")
+    if args.dynamic_batches < 1:
+        p.error(f"--dynamic-batches must be an integer >= 1, got {args.dynamic_batches}")
+    if args.rl_pool and (args.dynamic_batches > 1 or args.hints != "none"):
+        p.error("--dynamic-batches and --hints draw fresh problems with their solutions: not with --rl-pool")
     if 0 < args.rl_pool < args.prompts_per_step:
         p.error(f"--rl-pool {args.rl_pool} is smaller than --prompts-per-step {args.prompts_per_step}")
     # bgpo.py's run name, with the lab's options; the others draw no masked copies
     estimator = f"_nt{args.mc_samples}" if args.objective in ELBO + ("stp",) else ""
     options = (f"_tau{args.stp_tau}" if args.stp_tau else "") + ("_noanchors" if args.no_anchors else "") + \
         (f"_{args.advantages}" if args.advantages != "group" else "") + \
-        ("_solved" if args.reward == "solved" else "") + ("_random" if args.remasking == "random" else "")
+        ("_solved" if args.reward == "solved" else "") + ("_random" if args.remasking == "random" else "") + \
+        (f"_dyn{args.dynamic_batches}" if args.dynamic_batches > 1 else "") + \
+        (f"_hints-{args.hints}" if args.hints != "none" else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
                                       f"{f'_u{args.updates_per_batch}' if args.updates_per_batch > 1 else ''}"
                                       f"{f'_k{args.minibatches}' if args.minibatches > 1 else ''}"
@@ -298,14 +317,27 @@ def run_rl(args, task, model, pool=None, tracked=None):
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
-        # 1. training problems, fresh or from the pool, and G completions of each with the lab's sampler
-        if pool:
-            order = torch.randperm(len(pool), generator=generator)
-            prompts = [pool[i] for i in order[:args.prompts_per_step]]
+        # 1. training problems, fresh or from the pool, and G completions of each with the lab's sampler;
+        # with --dynamic-batches, only groups whose rewards differ; with --hints, a solve in all-fail groups
+        def draw():
+            if pool:
+                order = torch.randperm(len(pool), generator=generator)
+                prompts, answers = [pool[i] for i in order[:args.prompts_per_step]], None
+            else:
+                prompts, answers = task.sample(args.prompts_per_step, "train", generator)
+            return sample_rollouts(model, task, prompts, G, args, generator,
+                                   **sampler_options(task, prompts, args)), answers
+        if args.dynamic_batches > 1:
+            batch, answers, drawn, batches = dynamic_rollouts(draw, args.prompts_per_step, G,
+                                                              args.dynamic_batches)
         else:
-            prompts = task.sample(args.prompts_per_step, "train", generator)[0]
-        batch = sample_rollouts(model, task, prompts, G, args, generator,
-                                **sampler_options(task, prompts, args))
+            (batch, answers), batches = draw(), 1
+            drawn = batch.rewards[None]                                        # (batches, prompts x G)
+        hinted = torch.zeros(len(batch.prompts) // G, dtype=torch.bool)
+        if args.hints != "none":
+            batch, hinted, _ = hinted_rollouts(model, task, batch, answers, G, args, generator, args.hints,
+                                               **sampler_options(task, batch.prompts[::G], args))
+        B = len(batch.prompts)
         rollout_seconds = time.time() - t0
         # 2. the verifier's rewards (batch.rewards) -> 3. advantages (Eq. 18, or d1's)
         scored = (batch.rewards == 1.0).to(batch.rewards) if args.reward == "solved" else batch.rewards
@@ -335,12 +367,18 @@ def run_rl(args, task, model, pool=None, tracked=None):
         rewards, groups = batch.rewards, batch.rewards.view(-1, G)
         solved, unsolved = (groups == 1).any(1), (groups < 1).all(1)    # (B / G,): with a solve, without
         mixed = groups.amax(1) > groups.amin(1)
+        drawn_groups = drawn.view(-1, G)                   # every group the sampler drew, before the hints
         records.append(r := {"step": step, "reward": rewards.mean().item(),
                              "reward_std": rewards.std().item(),
                              "mixed_groups": mixed.double().mean().item(),
                              # the groups whose signal is a solve; those that differ by partial credit only
                              "solve_groups": (solved & mixed).double().mean().item(),
                              "credit_only_groups": (unsolved & mixed).double().mean().item(),
+                             # per prompt over its group, of every group drawn: never solved, always solved
+                             "never_solved": (drawn_groups < 1).all(1).double().mean().item(),
+                             "always_solved": (drawn_groups == 1).all(1).double().mean().item(),
+                             "informative_rows": (A != 0).double().mean().item(),
+                             "sampler_batches": batches, "hinted_groups": hinted.double().mean().item(),
                              "solved": (rewards == 1.0).double().mean().item(),
                              "valid": sum(map(valid, [task] * B, batch.prompts, batch.texts)) / B,
                              "loss": sum(losses) / len(losses) if losses else 0.0,

@@ -57,6 +57,12 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "cov-detach-20": ("lab.rl", ["--cov-detach", "0.2"]),       # ... the top 20%
     "cov-detach-low-20": ("lab.rl", ["--cov-detach", "-0.2"]),  # ... the bottom 20%, the lowest covariance
     "entropy-bonus": ("lab.rl", ["--entropy-coef", "0.01"]),    # BGPO with an entropy bonus
+    # RL past the SFT model's reach (lab/levers.py): DAPO's dynamic sampling, at most 3 sampler batches a
+    # step; rollouts from the random-order model the ELBO bounds; IGPO's inpainted hints, and their control
+    "dyn": ("lab.rl", ["--dynamic-batches", "3"]),
+    "rand-order": ("lab.rl", ["--remasking", "random", "--temperature", "1.0"]),
+    "hint": ("lab.rl", ["--hints", "inpaint"]),
+    "sft-hints": ("lab.rl", ["--hints", "solution"]),
 }
 
 # -----------------------------------------------------------------------------

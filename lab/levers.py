@@ -1,0 +1,109 @@
+"""
+Three levers for RL past its SFT model's reach, as options of the lab's loop (lab.rl):
+
+1. Keep the batch informative: DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, Sec. 3.2). Draw the
+   step's prompts and their G rollouts; keep the groups whose rewards differ (the only ones with A != 0);
+   while fewer than --prompts-per-step are kept, draw that many fresh prompts again, up to --dynamic-batches
+   sampler batches in all. The update sees only kept groups: all of them, when the cap is not reached, and
+   fewer (each row's share of the update then larger) when it is. dynamic_rollouts.
+2. Explore where the policy has stopped: rollouts from the random-order model at temperature 1, the model
+   whose likelihood the ELBO bounds (--remasking random --temperature 1, flags lab.rl already had), so that
+   BGPO's on-policy update is the exact ELBO gradient for the model that wrote the rollouts. No code here.
+3. Guide where no rollout succeeds: IGPO's inpainting (Zhao et al., arXiv 2509.10396). For each group whose
+   G rollouts all fail, one more completion is sampled with part of a known solution fixed in it (the
+   sampler's prior: those tokens are in place from the start and never changed) and the rest written by the
+   policy; the verifier scores it like any other, and if it solves the problem it replaces the group's last
+   rollout (at most one per group). The fraction of the solution's L tokens fixed is drawn per group,
+   uniform in HINT_FRACTION; the positions are uniform among the L. IGPO splits a reasoning trace into
+   chunks; a Countdown answer has no chunks to split. The update treats a hinted rollout as any other: its
+   ELBO covers all L tokens, the hinted ones included. --hints inpaint. hinted_rollouts.
+   The control, --hints solution: the known solution itself (answer, then end tokens) replaces the last
+   rollout of every all-fail group. On-policy, BGPO's gradient on that row is A / L times the gradient of its
+   ELBO: SFT's loss on the solution, weighted by its advantage. The question the pair asks: does a masked
+   model learn more from solutions it partly wrote itself than from the same solutions given in full?
+"""
+import torch
+
+from lab.objectives import rows_of
+from lab.sampler import Rollouts, sample_rollouts
+from tasks import encode
+
+HINT_FRACTION = (0.2, 0.6)   # the share of a known solution's tokens fixed in a hinted rollout
+
+def concat_rollouts(parts):
+    """Several Rollouts as one, rows in order."""
+    return Rollouts(prompts=[p for part in parts for p in part.prompts],
+                    **{name: torch.cat([getattr(part, name) for part in parts])
+                       for name in ("x", "y", "commit_steps", "rewards")},
+                    texts=[t for part in parts for t in part.texts])
+
+def group_rows(groups, group_size, device):
+    """(B,) bool over the rows of whole groups, from a (B / G,) bool over the groups."""
+    return groups.to(device).repeat_interleave(group_size)
+
+def dynamic_rollouts(draw, n_prompts, group_size, max_batches):
+    """DAPO's dynamic sampling. draw(): a fresh batch of n_prompts prompts x G rollouts (its answers too, as
+    sample_step returns them). Keeps the groups whose rewards differ, drawing again until n_prompts are kept
+    or max_batches batches were drawn: (the kept Rollouts, their answers, every drawn batch's rewards
+    (batches, n_prompts x G), the number of batches drawn). If no batch has a group whose rewards differ,
+    the last batch drawn is returned whole (its update is skipped, as the loop skips any all-tied batch)."""
+    kept, answers, drawn = [], [], []
+    while len(drawn) < max_batches and sum(len(k.prompts) for k in kept) < n_prompts * group_size:
+        batch, batch_answers = draw()
+        drawn.append(batch.rewards)
+        groups = batch.rewards.view(-1, group_size)
+        mixed = groups.amax(1) > groups.amin(1)                                       # (n_prompts,)
+        room = n_prompts - sum(len(k.prompts) for k in kept) // group_size
+        mixed &= mixed.cumsum(0) <= room                                               # the first `room` ones
+        kept.append(rows_of(batch, group_rows(mixed, group_size, batch.rewards.device)))
+        answers += [a for a, m in zip(batch_answers, mixed.tolist()) if m]
+    if not answers:   # no group with a signal in any batch: the last one, whose update will be skipped
+        return batch, batch_answers, torch.stack(drawn), len(drawn)
+    return concat_rollouts(kept), answers, torch.stack(drawn), len(drawn)
+
+def hint_prior(task, answers, generator, mask_id):
+    """(N, L) token ids: each known answer's completion (answer, then end tokens) with a fraction of its L
+    positions, uniform in HINT_FRACTION per row, kept, and MASK at the others (the sampler's prior)."""
+    _, solution = encode(task, [""] * len(answers), answers)
+    N, L = solution.shape
+    low, high = HINT_FRACTION
+    fraction = low + (high - low) * torch.rand(N, generator=generator)
+    n_hinted = (fraction * L).round().long().clamp(1, L - 1)                              # (N,)
+    rank = torch.rand(N, L, generator=generator).argsort(1).argsort(1)                   # a random order
+    return solution.masked_fill(rank >= n_hinted[:, None], mask_id)
+
+def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mode, **options):
+    """For each group of batch whose G rewards are all below 1, a solved completion in place of its last
+    rollout: mode "inpaint", one rollout sampled with part of the known answer fixed (hint_prior), kept
+    only if the verifier says it solves; mode "solution", the known answer itself. answers: the known
+    answer of each group's prompt. Returns (the new Rollouts, (B / G,) bool: the groups that got one,
+    (B / G,) bool: the groups that asked for one)."""
+    groups = batch.rewards.view(-1, group_size)
+    failed = (groups < 1).all(1)                                                      # (B / G,)
+    if not failed.any():
+        return batch, torch.zeros_like(failed), failed
+    which = failed.nonzero()[:, 0].tolist()
+    prompts = [batch.prompts[i * group_size] for i in which]
+    known = [answers[i] for i in which]
+    if mode == "inpaint":
+        prior = hint_prior(task, known, generator, model.config.mask_id)
+        hinted = sample_rollouts(model, task, prompts, 1, args, generator, prior=prior,
+                                 **{k: v for k, v in options.items() if k != "prior"})
+    elif mode == "solution":
+        x, y = encode(task, prompts, known, device=args.device)
+        texts = [task.decode(ids) for ids in y.cpu()]
+        hinted = Rollouts(prompts, x, y, torch.full_like(y, -1), texts,
+                          torch.tensor([task.reward(p, t) for p, t in zip(prompts, texts)]))
+    else:
+        raise ValueError(f"mode: expected 'inpaint' or 'solution', got {mode!r}")
+    got = torch.zeros_like(failed)
+    y, x, commit_steps, rewards, texts = (batch.y.clone(), batch.x.clone(), batch.commit_steps.clone(),
+                                          batch.rewards.clone(), list(batch.texts))
+    for j, i in enumerate(which):
+        if hinted.rewards[j] == 1.0:
+            row = (i + 1) * group_size - 1                                # the group's last rollout
+            y[row], commit_steps[row], rewards[row], texts[row] = (hinted.y[j].to(y.device),
+                                                                   hinted.commit_steps[j].to(y.device),
+                                                                   hinted.rewards[j], hinted.texts[j])
+            got[i] = True
+    return Rollouts(list(batch.prompts), x, y, commit_steps, texts, rewards), got, failed

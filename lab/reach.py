@@ -1,0 +1,70 @@
+"""
+The reach of a model: pass@k for k up to 128, from 128 samples of each held-out problem, with each sampler
+(LLaDA's confidence order, or a uniformly random order: the random-order model that the ELBO bounds) at
+each temperature. Greedy accuracy says what the policy writes; pass@k says what it can write in k tries,
+the ceiling that RL by sampling and reweighting reaches first.
+
+    python -m lab.reach --seed 10 [--problems 100] [--samples 128] [any bgpo.py flag]
+
+The model is bgpo.py's SFT model of the flags (trained first if absent), or --model PATH. The problems are
+the first --problems of the final evaluation's held-out problems (lab.rl --final-eval-size's). Each
+(sampler, temperature) draws from a generator seeded alike, so the samplers differ by their order alone.
+"""
+import argparse
+import time
+
+import torch
+
+import bgpo
+from lab import cli, rl
+from lab.sampler import sample_rollouts
+from tasks import get_task
+
+SAMPLERS = (("low_confidence", 1.3), ("low_confidence", 1.0), ("random", 1.0), ("random", 1.3))
+
+def solves(model, task, prompts, n_samples, args, remasking, temperature, per_call=8):
+    """Per prompt, how many of its n_samples samples solve it."""
+    args = argparse.Namespace(**{**vars(args), "temperature": temperature})
+    generator = torch.Generator().manual_seed(args.seed + 3)
+    counts = []
+    for i in range(0, len(prompts), per_call):
+        batch = sample_rollouts(model, task, prompts[i:i + per_call], n_samples, args, generator,
+                                remasking=remasking)
+        counts += (batch.rewards == 1.0).view(-1, n_samples).sum(1).tolist()
+    return counts
+
+def main(argv=None):
+    p = cli.make_parser("python -m lab.reach",
+                        "pass@k up to 128 of an SFT model, per sampler and temperature.")
+    p.add_argument("--problems", type=int, default=100, help="held-out problems")
+    p.add_argument("--samples", type=int, default=128, help="samples per problem (the largest k)")
+    p.add_argument("--model", default=None, help="a checkpoint to measure (None: the SFT model of the flags)")
+    p.add_argument("--json", default=None, help="write the table here as JSON")
+    args = cli.check_args(p, p.parse_args(argv))
+    if args.problems < 1 or args.samples < 1:
+        p.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
+    task = get_task(args.task)
+    model = bgpo.load_model(args.model, task, args) if args.model else bgpo.sft_model(args, task)
+    prompts = task.sample(args.problems, "test", 1234)[0]   # draws in order: final.json's first problems
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= args.samples]
+    print(f"pass@k (%) on {len(prompts)} held-out problems, {args.samples} samples each, seed {args.seed}")
+    print(f"{'sampler':<16} {'T':>4} " + " ".join(f"{'@' + str(k):>6}" for k in ks)
+          + "  never  always  seconds")
+    table = []
+    for remasking, temperature in SAMPLERS:
+        t0 = time.time()
+        counts = solves(model, task, prompts, args.samples, args, remasking, temperature)
+        values = [sum(rl.pass_at_k(args.samples, c, k) for c in counts) / len(counts) for k in ks]
+        never = sum(c == 0 for c in counts) / len(counts)
+        always = sum(c == args.samples for c in counts) / len(counts)
+        table.append({"remasking": remasking, "temperature": temperature, "pass_at_k": dict(zip(ks, values)),
+                      "never": never, "always": always, "solves": counts, "seconds": time.time() - t0})
+        print(f"{remasking:<16} {temperature:>4} " + " ".join(f"{100 * v:6.1f}" for v in values)
+              + f"  {100 * never:5.1f}  {100 * always:6.1f}  {time.time() - t0:7.0f}", flush=True)
+    if args.json:
+        cli.write_json(args.json, {"seed": args.seed, "problems": len(prompts), "samples": args.samples,
+                                   "table": table})
+    return table
+
+if __name__ == "__main__":
+    cli.command_line(main, "python -m lab.reach")

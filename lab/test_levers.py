@@ -1,0 +1,119 @@
+"""The levers of lab/levers.py do what they say: a dynamic batch holds only groups whose rewards differ, a
+hinted rollout keeps its fixed tokens and is scored by the verifier, and the rand-order arm samples from the
+random-order model (whose law test_estimators checks against enumeration)."""
+import argparse
+
+import torch
+
+from lab import levers, rl, sweep
+from lab.sampler import Rollouts, sample_rollouts
+from tasks import encode, get_task
+from tiny_dllm import ModelConfig, TinyDLLM
+
+G = 4
+
+def countdown_model(seed=0):
+    task = get_task("countdown")
+    torch.manual_seed(seed)
+    model = TinyDLLM(ModelConfig(task.tokenizer.vocab_size, 1, 2, 16, task.prompt_len + task.gen_len,
+                                 task.tokenizer.mask_id))
+    return task, model
+
+def sampler_args():
+    return argparse.Namespace(device="cpu", temperature=1.3, gen_steps=None, block_len=None)
+
+def fake_batch(rewards, tag):
+    """Rollouts of len(rewards) / G prompts named tag0, tag1, ... with these rewards (tokens are row ids)."""
+    B = len(rewards)
+    prompts = [f"{tag}{i // G}" for i in range(B)]
+    rows = torch.arange(B)[:, None]
+    return Rollouts(prompts, rows.expand(B, 3), rows.expand(B, 5), rows.expand(B, 5), prompts,
+                    torch.tensor(rewards, dtype=torch.float64))
+
+def test_dynamic_batch_holds_only_groups_whose_rewards_differ_up_to_its_cap():
+    """Batches drawn with 1, 0 and 2 groups whose rewards differ (of 3 each): with room for 2 groups the batch
+    is the first batch's mixed group and the third's first one, each whole and with its own answer; with a cap
+    of 2 batches it holds the one mixed group found; with none found, the last batch comes back whole."""
+    tied, mixed = [0.0] * G, [1.0, 0.0, 0.1, 0.0]
+    batches = [fake_batch(tied + mixed + tied, "a"), fake_batch(tied * 3, "b"), fake_batch(mixed * 3, "c")]
+
+    def draw_from(queue):
+        def draw():
+            batch = queue.pop(0)
+            return batch, [p + "=answer" for p in batch.prompts[::G]]
+        return draw
+
+    batch, answers, drawn, n = levers.dynamic_rollouts(draw_from(list(batches)), 2, G, max_batches=5)
+    assert n == 3 and drawn.shape == (3, 3 * G)
+    assert batch.prompts == ["a1"] * G + ["c0"] * G and answers == ["a1=answer", "c0=answer"]
+    groups = batch.rewards.view(-1, G)
+    assert (groups.amax(1) > groups.amin(1)).all()
+    assert batch.y[:, 0].tolist() == list(range(G, 2 * G)) + list(range(G))      # whole groups, in order
+    batch, answers, _, n = levers.dynamic_rollouts(draw_from(list(batches)), 2, G, max_batches=2)
+    assert n == 2 and batch.prompts == ["a1"] * G and answers == ["a1=answer"]
+    batch, answers, _, n = levers.dynamic_rollouts(draw_from([batches[1]] * 2), 2, G, max_batches=2)
+    assert n == 2 and batch.prompts == batches[1].prompts and len(answers) == 3
+
+def test_hinted_rollout_keeps_its_fixed_tokens_and_is_scored_by_the_verifier(monkeypatch):
+    """--hints inpaint: each all-fail group asks for one rollout with part of its known answer fixed. Every
+    hinted rollout keeps the fixed tokens (20-60% of L), its reward is the verifier's on its text, and it
+    replaces its group's last rollout exactly when that reward is 1; groups with a solve are not touched. To
+    reach both branches with an untrained model, the sampler's second hinted rollout is its known answer in
+    full (which the hint allows: the fixed tokens are the answer's), scored again by the verifier."""
+    task, model = countdown_model()
+    prompts, answers = task.sample(3, "train", 0)
+    args = sampler_args()
+    batch = sample_rollouts(model, task, prompts, G, args, torch.Generator().manual_seed(0))
+    batch.rewards[:G] = torch.tensor([1.0, 0.0, 0.0, 0.1])                       # group 0 has a solve
+    seen = {}
+
+    def spy(model, task, prompts, group_size, args, generator, prior=None, **options):
+        hinted = sample_rollouts(model, task, prompts, group_size, args, generator, prior=prior, **options)
+        _, solution = encode(task, prompts, seen["answers"])
+        hinted.y[1] = solution[1]
+        hinted.texts[1] = task.decode(hinted.y[1])
+        hinted.rewards = torch.tensor([task.reward(p, t) for p, t in zip(prompts, hinted.texts)])
+        seen.update(prior=prior, hinted=hinted)
+        return hinted
+
+    seen["answers"] = answers[1:]
+    monkeypatch.setattr(levers, "sample_rollouts", spy)
+    out, got, failed = levers.hinted_rollouts(model, task, batch, answers, G, args,
+                                              torch.Generator().manual_seed(1), "inpaint")
+    assert failed.tolist() == [False, True, True]
+    prior, hinted = seen["prior"], seen["hinted"]
+    fixed = prior != task.tokenizer.mask_id
+    L = task.gen_len
+    assert ((fixed.sum(1) >= round(0.2 * L)) & (fixed.sum(1) <= round(0.6 * L))).all(), fixed.sum(1)
+    assert (hinted.y[fixed] == prior[fixed]).all()
+    assert hinted.rewards.tolist() == [task.reward(p, t) for p, t in zip(prompts[1:], hinted.texts)]
+    assert hinted.rewards[1] == 1.0
+    assert got.tolist() == [False, hinted.rewards[0].item() == 1.0, True]
+    for group in range(3):
+        for row in range(group * G, (group + 1) * G):
+            replaced = got[group] and row == (group + 1) * G - 1
+            expected = hinted.y[group - 1] if replaced else batch.y[row]
+            assert torch.equal(out.y[row], expected), (group, row)
+            assert out.rewards[row] == (1.0 if replaced else batch.rewards[row])
+
+def test_solution_hint_is_the_known_answer_with_the_verifier_s_reward():
+    """--hints solution (the SFT-like control): every all-fail group's last rollout becomes its known answer,
+    which the verifier scores 1."""
+    task, model = countdown_model()
+    prompts, answers = task.sample(2, "train", 1)
+    batch = sample_rollouts(model, task, prompts, G, sampler_args(), torch.Generator().manual_seed(0))
+    batch.rewards[:] = 0.0
+    out, got, _ = levers.hinted_rollouts(model, task, batch, answers, G, sampler_args(), None, "solution")
+    assert got.all()
+    last = torch.arange(len(batch.prompts)) % G == G - 1
+    assert torch.equal(out.y[~last], batch.y[~last])
+    for group, answer in enumerate(answers):
+        row = (group + 1) * G - 1
+        assert out.texts[row] == answer and out.rewards[row] == 1.0 == task.reward(prompts[group], answer)
+
+def test_rand_order_arm_samples_the_random_order_model_at_temperature_1():
+    """The rand-order arm's rollouts are lab.sampler's remasking="random" with one token per step at
+    temperature 1: the law that test_random_remasking_samples_from_the_random_order_likelihood checks
+    against enumeration."""
+    args = rl.parse_args(sweep.ARMS["rand-order"][1])
+    assert (args.remasking, args.temperature, args.gen_steps, args.block_len) == ("random", 1.0, None, None)
