@@ -9,13 +9,14 @@ The naive objective exp(mean_j d_j) A couples the n_t copies through the exp: co
 it keeps all n_t graphs alive. BGPO replaces it by a lower bound that is a sum over copies, so backward runs
 one copy at a time, in one copy's memory. On-policy (the default, and the paper's main setting) every d_j is
 0 and the bound equals the naive objective in value and gradient: BGPO's update IS the naive gradient,
-accumulated one sample at a time. Off-policy (--minibatches 2) the bound's two lemmas act and they differ.
+accumulated one masked copy at a time. Off-policy (--minibatches 2) the two differ.
 
-Where this departs from the paper (a tiny model, d_j / L, NEG_WEIGHT, TEMPERATURE, ...): the README's last
-section, and a comment where each is made.
+Names as in the README's table: a rollout is a completion the policy samples in RL, a group a prompt's G
+rollouts, a masked copy y_t is y with k of its L tokens masked. Where this departs from the paper (a tiny
+model, d_j / L, NEG_WEIGHT, TEMPERATURE, ...): the README's last section, and a comment where each is made.
 
-Shapes: B batch (= prompts x G; under torchrun, a process's share), G group size, M Monte Carlo samples
-(n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocabulary.
+Shapes: B rows of a batch (prompts x G; under torchrun, a process's share), G rollouts per prompt, M masked
+copies per completion (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocab.
 """
 import argparse
 import contextlib
@@ -43,20 +44,20 @@ from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process,
 
 @dataclass
 class MCSamples:
-    """n_t masked copies per sequence: mask (B, M, L) bool and weight (B, M), the 1/t factor.
-    Drawn once per rollout batch and used for both pi_theta and pi_old (coupling)."""
+    """n_t masked copies per completion: mask (B, M, L) bool and weight (B, M), the 1/t factor.
+    Drawn once per batch of rollouts and used for both pi_theta and pi_old (coupling)."""
     mask: torch.Tensor
     weight: torch.Tensor
 
-    def __getitem__(self, j):  # samples j (a slice): a chunk for bgpo_backward
+    def __getitem__(self, j):  # copies j (a slice): a chunk for bgpo_backward
         return MCSamples(self.mask[:, j], self.weight[:, j])
 
     def to(self, device):
         return MCSamples(self.mask.to(device), self.weight.to(device))
 
 def draw_mc_samples(batch_size, gen_len, n_t, generator=None, scheme="stratified"):
-    """n_t masked copies per sequence, each an unbiased one-sample estimate of the ELBO: the forward
-    process of tiny_dllm.py: "stratified" (the default, after LLaDA's: counts spread over 1..L) or "iid"."""
+    """n_t masked copies per completion, each an unbiased one-copy estimate of the ELBO: the forward
+    process of tiny_dllm.py: "stratified" (the default, after LLaDA's: counts k spread over 1..L) or "iid"."""
     return MCSamples(*forward_process(batch_size, gen_len, n_t, generator, scheme))
 
 def elbo_terms(model, prompts, completions, mc):
@@ -85,10 +86,8 @@ def check_shapes(prompts, completions, mc, old_terms=None, advantages=None):
         raise ValueError(f"advantages: contains NaN (shape {tuple(advantages.shape)})")
 
 def log_ratio(terms, old_terms, L):
-    """d_j = (l_j(theta) - l_j(old)) / L, the per-token log-ratio on the same masked copy (the / L is DARE's,
-    not the paper's: on-policy it rescales the gradient, off-policy it keeps ratios near 1). old_terms None
-    means on-policy: the old policy is the current one, so its terms are these terms, detached (d = 0,
-    the gradient is that of l_j / L), and no extra forward pass is needed to compute them."""
+    """d_j = (l_j(theta) - l_j(old)) / L, the per-token log importance ratio on one masked copy (/ L: DARE's,
+    not the paper's; it keeps ratios near 1). old_terms None: on-policy, the old terms are these, detached."""
     return (terms - (terms.detach() if old_terms is None else old_terms)) / L
 
 def ppo_clip(ratio, A, clip_eps):
@@ -98,43 +97,38 @@ def ppo_clip(ratio, A, clip_eps):
     return torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
 
 def naive_objective(d, A, clip_eps=None):
-    """R_hat = exp(mean_j d_j) * A per sequence (Eq. 7): (B, M) log-ratios -> (B,). exp(mean_j d_j)
-    estimates the importance ratio (pi_theta / pi_old)^(1/L) by the ELBO's difference; the exp couples
-    the M samples, so no sample's term is a function of that sample alone."""
+    """R_hat = exp(mean_j d_j) * A per completion (Eq. 7): (B, M) log-ratios -> (B,). exp(mean_j d_j)
+    estimates the importance ratio (pi_theta / pi_old)^(1/L); the exp couples the M copies."""
     return ppo_clip(d.mean(1).exp(), A, clip_eps)
 
 def bgpo_bound(d, A, n_t, clip_eps=None):
-    """BGPO's per-sample terms g_j (Eq. 13): (B, M) log-ratios of M of the n_t samples -> (B, M),
-    with R_lb = sum over all n_t samples of g_j <= R_hat.
+    """BGPO's per-copy terms g_j (Eq. 13): (B, M) log-ratios of M of the n_t masked copies -> (B, M),
+    with R_lb = sum over all n_t copies of g_j <= R_hat.
       A >= 0: e^m >= 1 + m for m = mean_j d_j (Lemma 1, the tangent at 0), so exp(m) A >= mean(1 + d_j) A.
-      A <  0: e^m <= mean e^{d_j} (Lemma 2, Jensen), and A < 0 flips it:
-              exp(m) A >= mean(e^{d_j}) A.
-    Both hold with PPO's clip applied per sample too (the clipped objective is concave and monotone
+      A <  0: e^m <= mean e^{d_j} (Lemma 2, Jensen), and A < 0 flips it: exp(m) A >= mean(e^{d_j}) A.
+    Both hold with PPO's clip applied per copy too (the clipped objective is concave and monotone
     in the ratio). Both equal R_hat when every d_j = 0, i.e. on-policy. 1 + d is used as is, never as
     exp(log(1 + d)) (DARE's form), which is NaN for d < -1 and has a NaN gradient at -1."""
     A = A[:, None]
     positive = A >= 0
     # exp(d) only where A < 0: in float32 exp(d) is inf for d > 88, and torch.where's backward would
     # multiply that inf by 0 (NaN) in the branch it does not take
-    per_sample = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())
-    return ppo_clip(per_sample, A, clip_eps) / n_t
+    per_copy = torch.where(positive, 1 + d, d.masked_fill(positive, 0).exp())
+    return ppo_clip(per_copy, A, clip_eps) / n_t
 
 def naive_loss(model, prompts, completions, mc, old_terms, advantages, clip_eps=None):
-    """-mean_b R_hat_b, as one graph: one forward over all B*M masked copies, and until the caller calls
-    backward autograd keeps the activations of all M samples, so memory grows with M. (That is a property
-    of this one-graph computation, not of the gradient: grad R_hat = A exp(mean_j d_j) (1/n_t) sum_j
-    grad d_j, so a no-grad pass giving each sequence's A exp(mean_j d_j) / n_t lets the same gradient be
-    accumulated one sample at a time: the lab's naive_two_pass_backward.)"""
+    """-mean_b R_hat_b as one graph: one forward over all B*M masked copies, whose activations autograd keeps
+    until the caller's backward (memory grows with M). The gradient, A exp(mean_j d_j) (1/n_t) sum_j grad d_j,
+    could accumulate one copy at a time after a no-grad pass (the lab's naive_two_pass_backward)."""
     check_shapes(prompts, completions, mc, old_terms, advantages)
     terms = elbo_terms(model, prompts, completions, mc)              # (B, M)
     d = log_ratio(terms, old_terms, completions.shape[1])
     return -naive_objective(d, advantages.to(d), clip_eps).mean()
 
 def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_eps=None, mc_chunk=1):
-    """-mean_b R_lb_b, backpropagated one chunk of mc_chunk samples at a time. R_lb is a sum of
-    per-sample terms, so the chunks' gradients add up in .grad to the full gradient while only one
-    chunk's activations are alive: memory is that of mc_chunk samples, whatever n_t is. This is
-    gradient accumulation, as over micro-batches, here over MC samples. Returns the loss's value."""
+    """-mean_b R_lb_b, backpropagated one chunk of mc_chunk masked copies at a time. R_lb is a sum of per-copy
+    terms, so the chunks' gradients add up in .grad (gradient accumulation, as over micro-batches) while one
+    chunk's activations are alive: memory is that of mc_chunk copies, whatever n_t is. Returns the loss."""
     check_shapes(prompts, completions, mc, old_terms, advantages)
     if not isinstance(mc_chunk, int) or mc_chunk < 1:
         raise ValueError(f"mc_chunk: must be a positive int, got {mc_chunk!r}")
@@ -146,22 +140,17 @@ def bgpo_backward(model, prompts, completions, mc, old_terms, advantages, clip_e
         d = log_ratio(terms, None if old_terms is None else old_terms[:, chunk], L)
         loss = -bgpo_bound(d, advantages.to(d), n_t, clip_eps).sum(1).mean()
         loss.backward()
-        total = total + loss.detach()                                 # no host sync per sample
+        total = total + loss.detach()                                 # no host sync per chunk
     return float(total)
 
-def reward_groups(rewards, group_size):
-    """(B,) rewards laid out as consecutive groups of group_size completions of the same prompt ->
-    (B / group_size, group_size), after checking that they are."""
+def group_advantages(rewards, group_size):
+    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18) for (B,) rewards of consecutive groups of
+    group_size rollouts, with torch.std's unbiased (n - 1) std as in TRL's GRPO trainer. Ties: A = 0."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected (B,), got shape {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 2 or rewards.shape[0] % group_size:
         raise ValueError(f"group_size: must be an int >= 2 dividing {rewards.shape[0]}, got {group_size!r}")
-    return rewards.view(-1, group_size)
-
-def group_advantages(rewards, group_size):
-    """A = (r - mean_group r) / (std_group r + 1e-6) (Eq. 18), with torch.std's unbiased (n - 1) std, as
-    TRL's GRPO trainer. Equal rewards give A = 0."""
-    r = reward_groups(rewards, group_size)
+    r = rewards.view(-1, group_size)
     A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)
     # rounding makes mean(0.1, ..., 0.1) != 0.1, and dividing by std + 1e-6 would make that an A of ~1e-2
     tie = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)
@@ -174,9 +163,8 @@ DEMOS = {"arithmetic": 750, "countdown": 500, "sudoku": 50}  # default --demos p
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
-TEMPERATURE = 1.3  # of the rollouts: more groups with differing rewards than 1.0; evaluation is greedy
-# --size gpu: one consumer GPU (24 GiB); a flag given wins over its size's default. An update is one pass over
-# the 8 MC copies (~5 GiB in bf16) and all the rows (A = 0 adds nothing): fewer kernels, a shape that stays.
+TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is greedy
+# --size gpu: one 24 GiB GPU (a flag given wins); its update takes all 8 masked copies and rollouts at once
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 mc_chunk=8, skip_tied=False)}
 
@@ -193,9 +181,8 @@ def everyone(obj, args):
     return gathered
 
 def average_gradients(model, args, *stats):
-    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer, once per
-    optimizer step, after the last backward. BGPO's backward per MC sample accumulates .grad as micro-batches
-    do; syncing after each (DDP's default, unless no_sync) would send n_t times the bytes for the same sum."""
+    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer per optimizer
+    step. Syncing after each masked copy's backward (DDP's default, unless no_sync) sends n_t times more."""
     if args.world == 1:
         return list(stats)
     params = list(model.parameters())
@@ -234,10 +221,20 @@ def evaluate(model, task, prompts, args, n_show=3):
                                    task.gen_len).cpu()]
     rewards = [task.reward(prompt, text) for prompt, text in zip(mine, texts)]
     prompts, texts, rewards = [sum(share, []) for share in zip(*everyone([mine, texts, rewards], args))]
-    solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
-    shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
-    return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
+    solved = [int(r == 1.0) for r in rewards]   # per problem, in order: for paired comparisons
+    first = [i for i, s in enumerate(solved) if s][:1]
+    shown = sorted(first + [i for i, s in enumerate(solved) if not s][:n_show - len(first)])
+    return {"accuracy": sum(solved) / len(solved), "reward": sum(rewards) / len(rewards), "solved": solved,
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}
+
+def paired_gain(before, after):
+    """The gain from 0/1 outcomes `before` to `after` on the same problems, mean_i (after_i - before_i), and
+    its 95% interval's half-width 1.96 s / sqrt(n), s the differences' standard deviation (normal
+    approximation): pairing takes the problems' difficulty, which both models share, out of the noise."""
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(d) / len(d)
+    s = math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1)) if len(d) > 1 else math.nan
+    return mean, 1.96 * s / math.sqrt(len(d))
 
 def write_text(path, text, save=None):
     """text, or what save(file name) writes, to a temporary file renamed to path: never a broken file."""
@@ -299,9 +296,9 @@ def sft_lr_at(args, step):
     return SFT_LR * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 def run_sft(args, task):
-    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss). Every --sft-eval-every steps the
-    verifier scores greedy answers to validation problems; the best model is kept, and SFT stops after
-    SFT_PATIENCE evaluations without progress (after SFT_MIN_STEPS): more SFT memorises the demonstrations."""
+    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss), keeping the model whose greedy
+    answers to validation problems score best; stop after SFT_PATIENCE evaluations without progress (and
+    SFT_MIN_STEPS SFT steps): more SFT memorises the demonstrations."""
     torch.manual_seed(args.seed)  # the initial weights: the same on every process
     model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
@@ -351,9 +348,8 @@ def run_sft(args, task):
 
 @torch.no_grad()
 def sample_rollouts(model, task, prompts, args, generator):
-    """G completions of each prompt from the current policy and the verifier's rewards: x, y, rewards. The
-    sampler (LLaDA's, at TEMPERATURE) is not the random-order model at temperature 1 whose likelihood the ELBO
-    bounds: the update is the exact policy gradient of neither, as in the paper and DARE."""
+    """A group of G rollouts of each prompt, and the verifier's rewards: x, y, rewards. The sampler (LLaDA's,
+    at TEMPERATURE) is not the random-order model at temperature 1 whose likelihood the ELBO bounds."""
     prompts = [p for p in prompts for _ in range(args.group_size)]
     x = encode(task, prompts, device=args.device)
     with autocast(args):
@@ -369,13 +365,13 @@ def held_out_eval(model, task, args, record):
 
 def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers). The
-    loop body is the paper's algorithm: rollouts, rewards, advantages, MC draws, update; then the step's log
-    record, and every --eval-every steps a held-out evaluation and a checkpoint."""
+    loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
+    step's log record, and every --eval-every RL steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
-    # foreach: one op per kind for all the parameters, a dozen GPU kernels a step (CPU: the same numbers)
+    # foreach: one op per kind for all the parameters, a dozen GPU kernels an RL step (CPU: the same numbers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0, foreach=True)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
-    noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, MC draws
+    noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, masked copies
     run_dir = os.path.join(args.out_dir, args.run_name)
     ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
     if args.resume:
@@ -403,7 +399,7 @@ def run_rl(args, task, model):
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
-        # 1. fresh training problems, and G completions of each from the current policy
+        # 1. fresh training problems, and a group of G rollouts of each from the current policy
         prompts = task.sample(B // G, "train", generator)[0]
         x, y, rewards = sample_rollouts(model, task, prompts, args, noise)           # (B, P), (B, L), (B,)
         # 2. the verifier's rewards -> 3. group-relative advantages (Eq. 18)
@@ -420,17 +416,18 @@ def run_rl(args, task, model):
         with contextlib.nullcontext() if cuda else ActivationMemory(model) as memory:   # CUDA: no hooks' time
             for rows in torch.arange(B).chunk(args.minibatches):
                 signal = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal
-                keep = signal if args.skip_tied else rows   # the rows updated; all: a fixed shape
-                A_k = (A[keep] * (len(keep) / len(rows))).to(args.device)   # the mini-batch's mean unchanged
-                x_k, y_k, mc_k = x[keep], y[keep], MCSamples(mc.mask[keep], mc.weight[keep])
-                old_k = None if old_terms is None else old_terms[keep]
+                kept = signal if args.skip_tied else rows   # the rows updated; all: a fixed shape
+                A_kept = (A[kept] * (len(kept) / len(rows))).to(args.device)   # the mean over rows unchanged
+                x_kept, y_kept, mc_kept = x[kept], y[kept], MCSamples(mc.mask[kept], mc.weight[kept])
+                old_kept = None if old_terms is None else old_terms[kept]
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
                 with autocast(args):
-                    if len(signal) and args.objective == "bgpo":   # backward per MC sample
-                        loss = bgpo_backward(model, x_k, y_k, mc_k, old_k, A_k, clip_eps, args.mc_chunk)
-                    elif len(signal):                               # one graph over all n_t samples
-                        naive = naive_loss(model, x_k, y_k, mc_k, old_k, A_k, clip_eps)
+                    if len(signal) and args.objective == "bgpo":   # backward per masked copy
+                        loss = bgpo_backward(model, x_kept, y_kept, mc_kept, old_kept, A_kept, clip_eps,
+                                             args.mc_chunk)
+                    elif len(signal):                               # one graph over all n_t copies
+                        naive = naive_loss(model, x_kept, y_kept, mc_kept, old_kept, A_kept, clip_eps)
                         naive.backward()
                         loss = naive.item()
                 loss, mean_rows = average_gradients(model, args, loss, len(signal))  # means over processes
@@ -448,7 +445,7 @@ def run_rl(args, task, model):
                              "reward_std": rewards.std().item(),
                              "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
                              "solve_groups": ((groups == 1).any(1) & (groups < 1).any(1)).double().mean()
-                             .item(),   # groups with a solve and a miss: the only ones that teach to solve
+                             .item(),   # solve groups: the only ones that teach to solve
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
                              "activation_mb": None if cuda else memory.peak / 2**20})   # CUDA: no meter
@@ -464,7 +461,7 @@ def run_rl(args, task, model):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])   # no solve to learn from
             why = ("the rollouts solve nearly every problem: little left to learn" if r["solved"] >= .5 else
                    "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
-            print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
+            print(f"warning: {dead} of {step} RL steps had no solve group (a solve and a miss): {why}")
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
             with open(log_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
@@ -474,14 +471,14 @@ def run_rl(args, task, model):
     return [r for r in records if "accuracy" in r]
 
 def show_unmasking(model, task, prompt, args):
-    """Print how the greedy sampler writes one answer: at every step it predicts every masked position
+    """Print how the greedy sampler writes one answer: at every sampler step it predicts every masked position
     and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
     x = encode(task, [prompt], device=args.device)
     with autocast(args):
         y, steps = generate(model, x, task.gen_len, return_steps=True)
     states = "  ".join(task.decode(y[0].masked_fill(steps[0] > s, model.config.mask_id).cpu(), False)
                        for s in range(len(y[0])))
-    print(f"how the sampler writes {prompt} (greedy, one token per step, the most confident first; _ is MASK,"
+    print(f"how the sampler writes {prompt} (greedy, a token per sampler step, most confident first; _ MASK,"
           f" $ the end):\n" + textwrap.fill(states, 100, initial_indent="    ", subsequent_indent="    "))
     return task.decode(y[0].cpu())
 
@@ -489,9 +486,9 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
-    """Forward and backward (no optimizer step) of one on-policy update of a whole RL batch with random
-    rewards that never tie, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update
-    results, None where it ran out of memory (its row says so and the table goes on)."""
+    """Forward and backward (no optimizer step) of one on-policy update of a whole RL batch, random rewards
+    that never tie, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update results,
+    None where it ran out of memory (its row says so)."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
@@ -536,7 +533,7 @@ def make_parser():
     run("--dtype", choices=["float32", "bfloat16"],
         help="forward passes (float32: with TF32 matmuls on CUDA; None: bf16 on CUDA from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
-    run("--run-name", help="the RL run's folder (None: task_objective_ntM[_kK]_seedS[_gpu][_Nprocesses])")
+    run("--run-name", help="the RL run's folder (None: task_objective_ntM[_mbK]_seedS[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     run("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     run("--bench-memory", action="store_true", help="the naive vs BGPO memory and time table, then exit")
@@ -571,8 +568,8 @@ def check_args(p, args):
             p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     args.rank, args.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
-    k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
-    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}" \
+    mb = f"_mb{args.minibatches}" if args.minibatches > 1 else ""
+    args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{mb}_seed{args.seed}" \
         + ("_gpu" if args.size == "gpu" else "") + processes(args)
     task, ckpt = get_task(args.task), os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     if args.n_embd % args.n_head:
@@ -676,8 +673,13 @@ def main(argv=None):
     if args.stage == "sft":
         return model
     history = run_rl(args, task, model)   # the records with a held-out evaluation: step 0 is the SFT model
-    print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
-          f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device}"
+    before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
+                     for m in (load_model(sft_path(args), task, args), model))
+    gain, half = paired_gain(before, after)
+    print(f"\nheld-out accuracy {sum(before) / len(before):.1%} -> {sum(after) / len(after):.1%} after "
+          f"{history[-1]['step']} RL steps: {100 * gain:+.1f} points, 95% interval "
+          f"[{100 * (gain - half):+.1f}, {100 * (gain + half):+.1f}] on these {len(after)} problems\n"
+          f"({args.run_name}: {time.time() - t0:.0f} s on {args.device}"
           + (f", CUDA peak {torch.cuda.max_memory_allocated(args.device) / 2**20:,.0f} MiB" if
              args.device.startswith("cuda") else "") + ")\n"
           f"files: {sft_path(args)}, {os.path.join(args.out_dir, args.run_name)}/{{ckpt.pt,log.jsonl}}")

@@ -548,6 +548,31 @@ def test_group_advantages_by_hand():
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6)
     assert torch.allclose(A[:4], expected) and (A[4:] == 0).all(), A
 
+def test_paired_gain_by_hand():
+    """Five problems, solved before [1, 0, 0, 1, 0] and after [1, 1, 0, 0, 1]: differences [0, 1, 0, -1, 1],
+    mean 0.2; squared deviations 0.04 + 0.64 + 0.04 + 1.44 + 0.64 = 2.8, variance 2.8 / 4 = 0.7; so the 95%
+    half-width is 1.96 sqrt(0.7 / 5) = 0.7334."""
+    gain, half = bgpo.paired_gain([1, 0, 0, 1, 0], [1, 1, 0, 0, 1])
+    assert abs(gain - 0.2) < 1e-12 and abs(half - 1.96 * math.sqrt(0.7 / 5)) < 1e-12, (gain, half)
+    assert bgpo.paired_gain([1, 0, 1], [1, 0, 1]) == (0.0, 0.0), "the same outcomes: no gain, no doubt"
+    with pytest.raises(ValueError):
+        bgpo.paired_gain([1, 0], [1, 0, 1])                                # not the same problems
+
+def test_a_runs_last_line_gives_its_gain_with_the_paired_interval_of_its_evaluations(tmp_path, capsys):
+    """The final line's accuracies are the loop's step-0 and last evaluations, and its interval is paired_gain
+    of the two models' outcomes on those problems."""
+    argv = tiny_argv(tmp_path)
+    history = bgpo.main(argv)
+    line = [l for l in capsys.readouterr().out.splitlines() if " RL steps: " in l][-1]
+    before, after, gain, low, high = map(float, re.findall(r"[-+]?\d+\.\d", line)[:5])
+    assert (before, after) == tuple(round(100 * h["accuracy"], 1) for h in (history[0], history[-1]))
+    args, task = bgpo.parse_args(argv), get_task("arithmetic")
+    problems = bgpo.held_out(task, args)
+    outcomes = [bgpo.evaluate(bgpo.load_model(path, task, args), task, problems, args)["solved"]
+                for path in (bgpo.sft_path(args), tmp_path / args.run_name / "ckpt.pt")]
+    mean, half = bgpo.paired_gain(*outcomes)
+    assert (gain, low, high) == tuple(round(100 * v, 1) for v in (mean, mean - half, mean + half)), line
+
 def test_bad_shapes_raise_value_errors_naming_the_argument():
     model, x, y, mc, old_terms, A = on_policy_setup()
     cases = {"completions": dict(completions=y[:5]), "old_terms": dict(old_terms=old_terms[:, :5]),
@@ -668,8 +693,8 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
 
 @pytest.mark.parametrize("rewards, warning", [
     ("solve, miss, ...", None),
-    ("all missed", "1 of 1 RL steps had no group with both a solve and a miss: the policy solves too few"),
-    ("all solved", "1 of 1 RL steps had no group with both a solve and a miss: the rollouts solve nearly")])
+    ("all missed", "1 of 1 RL steps had no solve group (a solve and a miss): the policy solves too few"),
+    ("all solved", "1 of 1 RL steps had no solve group (a solve and a miss): the rollouts solve nearly")])
 def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, rewards,
                                                                      warning):
     """Only a group with both a solve and a miss reinforces a solve. A run without one used to go on in

@@ -13,14 +13,14 @@ Simplifications versus LLaDA:
    LayerNorm and GELU instead of RMSNorm and SwiGLU.
 2. No attention mask: prompts are left-padded with a PAD token that the model simply learns to
    ignore, and every task has one fixed completion length L.
-3. The supervised loss uses one masked copy per sequence, with the mask count k drawn uniformly
+3. The supervised loss uses one masked copy per completion, with the mask count k drawn uniformly
    from 1..L (weight L/k) by default. LLaDA draws t ~ U(0,1), masks each token with probability
    p_mask = (1 - eps) t + eps, eps = 1e-3, and weights by 1/p_mask (at most 1000). scheme="iid" here is
    that form without the floor: t ~ U(0,1], weight 1/t, unbounded, so its variance is infinite
    (log-divergent as t -> 0). Both estimate the same ELBO (LLaDA's up to its floor, an O(eps) change); on
    4-16-token completions the count form's far lower variance makes SFT several times faster.
 
-Shapes: B batch, M Monte Carlo samples (n_t), N rows given to the network (B, or B x M masked copies),
+Shapes: B batch, M masked copies per completion (n_t), N rows given to the network (B, or B x M copies),
 L completion length, P prompt length, T = P + L, V vocabulary, C embedding width.
 """
 import math
@@ -70,9 +70,10 @@ class Block(nn.Module):
 
     def forward(self, h):
         N, T, C = h.shape
-        q, k, v = self.qkv(self.ln_1(h)).split(C, dim=2)
-        q, k, v = (z.view(N, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # every token sees every token
+        query, key, value = self.qkv(self.ln_1(h)).split(C, dim=2)
+        query, key, value = (z.view(N, T, self.n_head, C // self.n_head).transpose(1, 2)
+                             for z in (query, key, value))
+        a = F.scaled_dot_product_attention(query, key, value, is_causal=False)  # every token sees every token
         h = h + self.proj(a.transpose(1, 2).reshape(N, T, C))
         return h + self.mlp(self.ln_2(h))
 
@@ -127,7 +128,7 @@ def mask_by_count(k, L, generator=None):
 
 def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratified"):
     """n_t masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
-    torch's default dtype. Each copy alone is an unbiased one-sample estimate of the ELBO (Eq. 4).
+    torch's default dtype. Each copy alone is an unbiased one-copy estimate of the ELBO (Eq. 4).
     "stratified": after LLaDA's estimator: k_0 ~ U{1..L}, then the M counts
                   k_j = ((k_0 - 1 + round(j L / M)) mod L) + 1, k_0 shifted by offsets that spread
                   the counts over 1..L (L = 4, M = 8: 0,0,1,2,2,2,3,4; halves round to even), exactly k_j
@@ -180,11 +181,11 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     """LLaDA's sampler: fill a completion of gen_len tokens, starting all MASK. prompts (B, P).
 
     Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
-    each step predicts every masked position, then commits only the k most confident predictions
-    and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all, remask
-    the least confident. Confidence is the model's probability of the chosen token; the block's
-    tokens are spread as evenly as possible over its steps. temperature 0 is greedy.
-    With return_steps=True also returns the (B, L) step index at which each position was committed."""
+    each sampler step predicts every masked position, then commits only the n_commit most confident
+    predictions and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all,
+    remask the least confident. Confidence is the model's probability of the chosen token; the block's
+    tokens are spread as evenly as possible over its `steps` sampler steps. temperature 0 is greedy.
+    With return_steps=True also returns the (B, L) sampler step at which each position was committed."""
     steps, block_len = gen_len if steps is None else steps, gen_len if block_len is None else block_len
     num_blocks = math.ceil(gen_len / block_len) if 1 <= block_len <= gen_len else 0
     if num_blocks == 0 or not num_blocks <= steps <= gen_len or temperature < 0:
@@ -199,8 +200,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
         lo, hi = P + b * block_len, P + min((b + 1) * block_len, gen_len)
         block_steps = steps // num_blocks + (b < steps % num_blocks)     # as even as possible
         for s in range(block_steps):
-            k = (hi - lo) // block_steps + (s < (hi - lo) % block_steps)  # tokens committed at this step
-            if k == 0:
+            n_commit = (hi - lo) // block_steps + (s < (hi - lo) % block_steps)  # tokens this sampler step
+            if n_commit == 0:
                 continue                      # a short last block can have more steps than tokens
             logits = model(x).float()                                    # (B, T, V)
             if temperature == 0:
@@ -212,7 +213,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]
             candidate = torch.zeros_like(x, dtype=torch.bool)
             candidate[:, lo:hi] = x[:, lo:hi] == model.config.mask_id   # the current block's masked positions
-            chosen = confidence.masked_fill(~candidate, -1.0).topk(k, dim=1).indices   # (B, k)
+            chosen = confidence.masked_fill(~candidate, -1.0).topk(n_commit, dim=1).indices   # (B, n_commit)
             x.scatter_(1, chosen, x0.gather(1, chosen))
             committed_at.scatter_(1, chosen - P, step)
             step += 1

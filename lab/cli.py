@@ -94,8 +94,8 @@ def check_args(p, args):
         common = make_parser("", "")
         shared = argparse.Namespace(**{k: getattr(args, k) for k in vars(common.parse_args([]))
                                        if k not in NOT_RESULTS})
-        k = f"_k{args.minibatches}" if args.minibatches > 1 else ""
-        args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{k}_seed{args.seed}"
+        mb = f"_mb{args.minibatches}" if args.minibatches > 1 else ""
+        args.run_name = (f"{args.task}_{args.objective}_nt{args.mc_samples}{mb}_seed{args.seed}"
                          + settings_hash(common, shared))
     if args.world > 1:
         p.error("the lab runs in one process (python -m lab...), not under torchrun")

@@ -76,7 +76,8 @@ def commands(runs_dir, dry_run):
 # the lines of a log that carry a command's result
 RESULT = re.compile(r"^(model .*|  s/step.*|profile of .*|  longest on .*|torch.compile: .*|"
                     r"\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
-                    r"kept the SFT model.*|held-out accuracy .*|step +\d+ .*held-out.*|warning: .*|"
+                    r"kept the SFT model.*|held-out accuracy .*|\(\S+: \d+ s on .*|step +\d+ .*held-out.*|"
+                    r"warning: .*|"
                     r".*(passed|failed|error).*|pytest \d.*|.*Error.*)$")
 
 def result_lines(text, most=14):

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from bgpo import (MCSamples, bgpo_backward, bgpo_bound, check_shapes, draw_mc_samples, elbo_terms,
-                  group_advantages, log_ratio, naive_loss, naive_objective, ppo_clip, reward_groups)
+                  group_advantages, log_ratio, naive_loss, naive_objective, ppo_clip)
 from lab.estimators import (check_commit_steps, draw_anchored_masks, draw_block_steps, dtrpo_log_likelihood,
                             one_step_log_likelihood, stp_token_log_likelihood, sudoku_anchors,
                             token_log_probs)
@@ -411,6 +411,15 @@ OBJECTIVES = {"bgpo": Objective(elbo_draws, bgpo_update), "naive": Objective(elb
               "diffu-grpo": Objective(diffu_grpo_draws, diffu_grpo_update),
               "stp": Objective(stp_draws, stp_update), "dtrpo": Objective(dtrpo_draws, dtrpo_update),
               "spg": Objective(elbo_draws, spg_update), "trajectory": Objective(no_draws, trajectory_update)}
+
+def reward_groups(rewards, group_size):
+    """(B,) rewards of consecutive groups of group_size rollouts -> (B / G, G), with bgpo.group_advantages's
+    checks (copied)."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected (B,), got shape {tuple(rewards.shape)}")
+    if not isinstance(group_size, int) or group_size < 2 or rewards.shape[0] % group_size:
+        raise ValueError(f"group_size: must be an int >= 2 dividing {rewards.shape[0]}, got {group_size!r}")
+    return rewards.view(-1, group_size)
 
 def d1_advantages(rewards, group_size):
     """d1's advantage: the reward minus its group's mean, not divided by the group's std."""

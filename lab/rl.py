@@ -120,8 +120,8 @@ def make_parser():
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_dynN][_hints-H][_uU][_kK]"
-           "[_poolN]_seedS"
+           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_dynN][_hints-H][_uU]"
+           "[_mbK][_poolN]_seedS"
            "[_HASH], HASH: of every other flag that differs from its default)")
     return p
 
@@ -188,7 +188,7 @@ def parse_args(argv=None):
         (f"_hints-{args.hints}" if args.hints != "none" else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
                                       f"{f'_u{args.updates_per_batch}' if args.updates_per_batch > 1 else ''}"
-                                      f"{f'_k{args.minibatches}' if args.minibatches > 1 else ''}"
+                                      f"{f'_mb{args.minibatches}' if args.minibatches > 1 else ''}"
                                       f"{f'_pool{args.rl_pool}' if args.rl_pool else ''}_seed{args.seed}"
                                       + settings)
     return cli.check_args(p, args)
@@ -398,7 +398,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])
             why = ("the rollouts solve nearly every problem: little left to learn" if r["solved"] >= .5 else
                    "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
-            print(f"warning: {dead} of {step} RL steps had no group with both a solve and a miss: {why}")
+            print(f"warning: {dead} of {step} RL steps had no solve group (a solve and a miss): {why}")
         with open(log_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         if "accuracy" in r:  # saved after the log line, so that a resume from it finds the line

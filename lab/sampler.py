@@ -147,7 +147,8 @@ def evaluate(model, task, prompts, args, n_show=3):
              for y in generate(model, encode(task, prompts[i:i + batch_size], device=args.device),
                                task.gen_len, steps=args.gen_steps, block_len=args.block_len).cpu()]
     rewards = [task.reward(prompt, text) for prompt, text in zip(prompts, texts)]
-    solved = [i for i, r in enumerate(rewards) if r == 1.0][:1]
-    shown = sorted(solved + [i for i, r in enumerate(rewards) if r < 1.0][:n_show - len(solved)])
-    return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
+    solved = [int(r == 1.0) for r in rewards]   # per problem, in order
+    first = [i for i, s in enumerate(solved) if s][:1]
+    shown = sorted(first + [i for i, s in enumerate(solved) if not s][:n_show - len(first)])
+    return {"accuracy": sum(solved) / len(solved), "reward": sum(rewards) / len(rewards), "solved": solved,
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}

@@ -524,3 +524,16 @@ def test_lab_rl_runs_bgpo_with_both_entropy_levers(tmp_path, monkeypatch):
     assert [h["step"] for h in history] == [0, 1, 2]
     assert args.run_name.startswith("arithmetic_bgpo_nt4_seed0_")
     assert levers and set(levers) == {(0.1, 0.2)}, levers   # rewards that differ: updates, with both levers
+
+def test_the_labs_reward_groups_refuses_what_bgpo_group_advantages_refuses():
+    """lab.objectives.reward_groups copies bgpo.group_advantages's checks: the same bad rewards and group sizes
+    raise the same one-line ValueError in both, and good ones give the same (B / G, G) groups."""
+    rewards = torch.arange(8.0)
+    for bad in ((rewards, 3), (rewards, 1), (rewards, 2.0), (rewards.view(2, 4), 4)):
+        messages = []
+        for check in (objectives.reward_groups, bgpo.group_advantages):
+            with pytest.raises(ValueError) as error:
+                check(*bad)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1], messages
+    assert torch.equal(objectives.reward_groups(rewards, 4), rewards.view(2, 4))
