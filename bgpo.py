@@ -1,22 +1,19 @@
 """
-Boundary-Guided Policy Optimization (BGPO) for a masked diffusion LM, beside the naive ELBO-based objective
-it replaces, and the script that runs them: SFT on demonstrations, then RL with a verifier. Paper: Lin,
-Zhang, Hou, Li, "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language
-Models", arXiv 2510.11683.
+Boundary-Guided Policy Optimization (BGPO; Lin, Zhang, Hou, Li, "... for Memory-efficient RL of Diffusion
+Large Language Models", arXiv 2510.11683) for a masked diffusion LM, beside the naive ELBO-based objective it
+replaces, and the script that runs them: SFT on demonstrations, then RL with a verifier.
 
-A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies of each completion.
-The naive objective exp(mean_j d_j) A couples the n_t copies through the exp: computed as one autograd graph
-it keeps all n_t graphs alive. BGPO replaces it by a lower bound that is a sum over copies, so backward runs
-one copy at a time, in one copy's memory. On-policy (the default, and the paper's main setting) every d_j is
-0 and the bound equals the naive objective in value and gradient: BGPO's update IS the naive gradient,
-accumulated one masked copy at a time. Off-policy (--minibatches 2) the two differ.
+A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies y_t of each rollout
+y (a completion sampled in RL; names as in the README's table). The naive objective exp(mean_j d_j) A couples
+the copies through the exp: as one autograd graph it keeps all n_t copies' activations alive. BGPO replaces it
+by a lower bound that is a sum over copies, so backward runs one copy at a time, in one copy's memory.
+On-policy (the default, and the paper's main setting) every d_j is 0 and the bound equals the naive objective
+in value and gradient: BGPO's update IS the naive gradient, accumulated one masked copy at a time. Off-policy
+(--minibatches 2) the two differ. Departures from the paper: the README's last section, and where made.
 
-Names as in the README's table: a rollout is a completion the policy samples in RL, a group a prompt's G
-rollouts, a masked copy y_t is y with k of its L tokens masked. Where this departs from the paper (a tiny
-model, d_j / L, NEG_WEIGHT, TEMPERATURE, ...): the README's last section, and a comment where each is made.
-
-Shapes: B rows of a batch (prompts x G; under torchrun, a process's share), G rollouts per prompt, M masked
-copies per completion (n_t, or a chunk of them), L completion length, P prompt length, T = P + L, V vocab.
+Shapes: B rows of a batch, one rollout each (prompts x G; under torchrun, a process's share), G rollouts per
+prompt, M masked copies per rollout in a tensor (n_t; in bgpo_backward a chunk of --mc-chunk of them), L
+completion length, P prompt length, T = P + L, V vocab.
 """
 import argparse
 import contextlib
@@ -91,7 +88,8 @@ def log_ratio(terms, old_terms, L):
     return (terms - (terms.detach() if old_terms is None else old_terms)) / L
 
 def ppo_clip(ratio, A, clip_eps):
-    """ratio * A, or PPO's pessimistic min with the ratio clipped to [1 - eps, 1 + eps]."""
+    """ratio * A, or PPO's pessimistic min with it clipped to [1 - eps, 1 + eps]; the ratio is the importance
+    ratio's estimate, or in the bound its per-copy stand-in (1 + d_j or e^{d_j})."""
     if clip_eps is None:
         return ratio * A
     return torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
@@ -106,9 +104,9 @@ def bgpo_bound(d, A, n_t, clip_eps=None):
     with R_lb = sum over all n_t copies of g_j <= R_hat.
       A >= 0: e^m >= 1 + m for m = mean_j d_j (Lemma 1, the tangent at 0), so exp(m) A >= mean(1 + d_j) A.
       A <  0: e^m <= mean e^{d_j} (Lemma 2, Jensen), and A < 0 flips it: exp(m) A >= mean(e^{d_j}) A.
-    Both hold with PPO's clip applied per copy too (the clipped objective is concave and monotone
-    in the ratio). Both equal R_hat when every d_j = 0, i.e. on-policy. 1 + d is used as is, never as
-    exp(log(1 + d)) (DARE's form), which is NaN for d < -1 and has a NaN gradient at -1."""
+    Both hold with PPO's clip applied per copy too (min(r A, clip(r) A) is concave in r and moves with r as
+    A's sign says, so both inequalities survive it). Both equal R_hat when every d_j = 0, i.e. on-policy.
+    1 + d is used as is, never as DARE's exp(log(1 + d)), NaN for d < -1 (its gradient NaN at -1)."""
     A = A[:, None]
     positive = A >= 0
     # exp(d) only where A < 0: in float32 exp(d) is inf for d > 88, and torch.where's backward would
@@ -164,16 +162,14 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is greedy
-# --size gpu: one 24 GiB GPU (a flag given wins); its update takes all 8 masked copies and rollouts at once
+# --size gpu: one 24 GiB GPU (a flag given wins); one backward over all 8 masked copies of every rollout
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 mc_chunk=8, skip_tied=False)}
 
 class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
     pass
 
-# Data parallel (torchrun): args.world processes, a share of every batch each. With one process, no-ops.
-
-def everyone(obj, args):
+def everyone(obj, args):   # data parallel (torchrun): args.world processes, a share of every batch each
     """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
     gathered = [obj] * args.world
     if args.world > 1:
@@ -199,9 +195,8 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
 def autocast(args):
-    """With --dtype bfloat16, nanoGPT's mixed precision: bf16 autocast (TinyDLLM's logits come back float32).
-    It casts each weight once a region and keeps the copy: a region holds a phase in which the weights do
-    not move (a sampling, an update's passes), never an optimizer step."""
+    """With --dtype bfloat16, nanoGPT's bf16 autocast (logits come back float32). It casts each weight once a
+    region and keeps the cast: a region holds a phase whose weights do not move, never an optimizer step."""
     if args.dtype != "bfloat16":
         return contextlib.nullcontext()
     return torch.autocast(args.device.split(":")[0], torch.bfloat16)
@@ -211,8 +206,7 @@ def held_out(task, args):
 
 @torch.no_grad()
 def evaluate(model, task, prompts, args, n_show=3):
-    """Greedy decoding: exact-solve rate (reward 1), mean reward, and n_show prompt -> completion lines:
-    the first solved problem, if any, and the first unsolved ones."""
+    """Greedy decoding: solve rate (reward 1), mean reward, solves, n_show lines (a solve first, if any)."""
     mine = prompts[args.rank::args.world]   # data parallel: each process answers its share, then all see all
     batch_size = max(len(mine), 1) if args.device.startswith("cuda") else 256  # CPU: the sizes the README ran
     with autocast(args):
@@ -229,8 +223,7 @@ def evaluate(model, task, prompts, args, n_show=3):
 
 def paired_gain(before, after):
     """The gain from 0/1 outcomes `before` to `after` on the same problems, mean_i (after_i - before_i), and
-    its 95% interval's half-width 1.96 s / sqrt(n), s the differences' standard deviation (normal
-    approximation): pairing takes the problems' difficulty, which both models share, out of the noise."""
+    its 95% half-width 1.96 s / sqrt(n), s the differences' std: pairing drops their shared difficulty."""
     d = [a - b for a, b in zip(after, before, strict=True)]
     mean = sum(d) / len(d)
     s = math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1)) if len(d) > 1 else math.nan
@@ -296,9 +289,8 @@ def sft_lr_at(args, step):
     return SFT_LR * min(1.0, step / (warmup + 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 def run_sft(args, task):
-    """Minimise the negative ELBO of the demonstrations (tiny_dllm.sft_loss), keeping the model whose greedy
-    answers to validation problems score best; stop after SFT_PATIENCE evaluations without progress (and
-    SFT_MIN_STEPS SFT steps): more SFT memorises the demonstrations."""
+    """Minimise the demonstrations' negative ELBO (tiny_dllm.sft_loss), keeping the model that validates best;
+    stop after SFT_PATIENCE evaluations without progress (and SFT_MIN_STEPS): more SFT memorises the demos."""
     torch.manual_seed(args.seed)  # the initial weights: the same on every process
     model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
@@ -378,11 +370,10 @@ def run_rl(args, task, model):
         state = load_checkpoint(ckpt_path, task, model.config)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if len(state["rng"]) != args.world:
-            raise RunError(f"{ckpt_path} was saved by {len(state['rng'])} processes: resume it with as many")
-        rngs = state["rng"][args.rank]   # generator's and noise's (on CUDA a GPU generator's: 16 bytes)
+        rngs = state["rng"][args.rank] if len(state["rng"]) == args.world else None   # generator's, noise's
         if not isinstance(rngs, list) or len(rngs[1]) != len(noise.get_state()):
-            raise RunError(f"{ckpt_path} holds the random streams of another device or an older bgpo.py")
+            raise RunError(f"{ckpt_path} holds the random streams of another device or an older bgpo.py, or "
+                           f"of {len(state['rng'])} processes: resume it as it was made")
         for stream, rng in zip((generator, noise), rngs):
             stream.set_state(rng)
         start, records = state["step"] + 1, [json.loads(line) for line in open(log_path)]
@@ -391,7 +382,7 @@ def run_rl(args, task, model):
     else:
         show_unmasking(model, task, held_out(task, args)[0], args)
         start, records = 1, [{"step": 0}]
-        print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
+        print("RL step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
         write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
         if not args.resume:
@@ -417,21 +408,21 @@ def run_rl(args, task, model):
             for rows in torch.arange(B).chunk(args.minibatches):
                 signal = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal
                 kept = signal if args.skip_tied else rows   # the rows updated; all: a fixed shape
-                A_kept = (A[kept] * (len(kept) / len(rows))).to(args.device)   # the mean over rows unchanged
-                x_kept, y_kept, mc_kept = x[kept], y[kept], MCSamples(mc.mask[kept], mc.weight[kept])
-                old_kept = None if old_terms is None else old_terms[kept]
+                # bgpo_backward means over the rows it is given: rescaled, it is the mean over all rows
+                A_kept = (A[kept] * (len(kept) / len(rows))).to(args.device)
+                rollouts = (x[kept], y[kept], MCSamples(mc.mask[kept], mc.weight[kept]),   # with their copies
+                            None if old_terms is None else old_terms[kept])                 # and old terms
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
                 with autocast(args):
-                    if len(signal) and args.objective == "bgpo":   # backward per masked copy
-                        loss = bgpo_backward(model, x_kept, y_kept, mc_kept, old_kept, A_kept, clip_eps,
-                                             args.mc_chunk)
+                    if len(signal) and args.objective == "bgpo":   # backward per --mc-chunk copies
+                        loss = bgpo_backward(model, *rollouts, A_kept, clip_eps, args.mc_chunk)
                     elif len(signal):                               # one graph over all n_t copies
-                        naive = naive_loss(model, x_kept, y_kept, mc_kept, old_kept, A_kept, clip_eps)
+                        naive = naive_loss(model, *rollouts, A_kept, clip_eps)
                         naive.backward()
                         loss = naive.item()
                 loss, mean_rows = average_gradients(model, args, loss, len(signal))  # means over processes
-                if mean_rows == 0:  # no signal in any process: no step (Adam moves weights on zero gradients)
+                if mean_rows == 0:  # no signal in any process: no optimizer step (Adam moves weights on 0)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
@@ -449,7 +440,7 @@ def run_rl(args, task, model):
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
                              "activation_mb": None if cuda else memory.peak / 2**20})   # CUDA: no meter
-        line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
+        line = (f"RL step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | "
                 + ("" if cuda else f"act {r['activation_mb']:.1f} MiB | ") + f"{r['seconds']:.2f} s")
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
@@ -486,9 +477,8 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
 
 def bench_memory(args, task):
-    """Forward and backward (no optimizer step) of one on-policy update of a whole RL batch, random rewards
-    that never tie, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update results,
-    None where it ran out of memory (its row says so)."""
+    """One on-policy update (forward and backward, no optimizer step) of an RL batch, untied random rewards,
+    by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update, None: out of memory."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
@@ -529,11 +519,12 @@ def make_parser():
     run("--stage", choices=["sft", "rl", "all"], default="all", help="sft, rl (from SFT's checkpoint), both")
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    run("--size", choices=SIZES, default="cpu", help=f"the defaults of the flags below; gpu: {SIZES['gpu']}")
+    run("--size", choices=["auto", *SIZES], default="auto",
+        help=f"the defaults of the flags below; auto: gpu on CUDA, else cpu; gpu: {SIZES['gpu']}")
     run("--dtype", choices=["float32", "bfloat16"],
         help="forward passes (float32: with TF32 matmuls on CUDA; None: bf16 on CUDA from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
-    run("--run-name", help="the RL run's folder (None: task_objective_ntM[_mbK]_seedS[_gpu][_Nprocesses])")
+    run("--run-name", help="the RL run's folder (None: task_objective_ntN[_mbN]_seedN[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
     run("--overwrite", action="store_true", help="replace the RL run in --run-name if there is one")
     run("--bench-memory", action="store_true", help="the naive vs BGPO memory and time table, then exit")
@@ -547,17 +538,17 @@ def make_parser():
     sft("--sft-eval-every", type=int, default=50, help="SFT steps between validation scores")
     sft("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
     rl("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
-    rl("--mc-samples", type=int, default=8, help="MC samples n_t per completion")
-    rl("--mc-chunk", type=int, default=1, help="MC samples per backward in BGPO (more than n_t: all at once)")
+    rl("--mc-samples", type=int, default=8, help="masked copies n_t per rollout (MC samples of the ELBO)")
+    rl("--mc-chunk", type=int, default=1, help="masked copies per backward in BGPO (> n_t: all at once)")
     rl("--skip-tied", action=argparse.BooleanOptionalAction, default=True,
        help="leave groups whose rewards tie (A = 0) out of the update: less to compute, a shape that varies")
     rl("--minibatches", type=int, default=1,
-       help="updates per rollout batch, each on the next 1/K of its groups; 2: the paper's off-policy one")
+       help="updates per batch of rollouts, each on the next share of its groups; 2: the paper's off-policy")
     rl("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each; more on --resume: longer")
     rl("--prompts-per-step", type=int, default=16, help="prompts per RL step")
-    rl("--group-size", type=int, default=8, help="completions per prompt, G")
+    rl("--group-size", type=int, default=8, help="rollouts per prompt, G")
     rl("--eval-every", type=int, default=25, help="RL steps between held-out evaluations and checkpoints")
-    rl("--eval-size", type=int, default=500, help="held-out problems")
+    rl("--eval-size", type=int, default=500, help="held-out problems (the task's test split)")
     return p
 
 def check_args(p, args):
@@ -588,9 +579,7 @@ def check_args(p, args):
     if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
         example = task.sample(1, "test", 0)[0][0]
         p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {example!r}")
-    if args.device == "auto":
-        args.device = ("cuda" if torch.cuda.is_available() else
-                       "mps" if torch.backends.mps.is_available() else "cpu")
+    args.device = pick_device(args.device)
     if args.world > 1:   # torchrun: each process on its own GPU (NCCL), or on the CPU (gloo)
         args.device = f"cuda:{os.environ['LOCAL_RANK']}" if args.device.startswith("cuda") else "cpu"
     try:
@@ -601,10 +590,19 @@ def check_args(p, args):
     args.dtype = args.dtype or ("bfloat16" if native_bf16 else "float32")   # bf16 tensor cores: Ampere on
     return args
 
+def pick_device(device):   # --device auto: CUDA, then Apple's MPS, then the CPU
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return auto if device == "auto" else device
+
 def parse_args(argv=None):
     p = make_parser()
-    p.set_defaults(**SIZES[p.parse_known_args(argv)[0].size])   # --size's defaults; the flags given win
-    return check_args(p, p.parse_args(argv))
+    given = p.parse_known_args(argv)[0]   # auto: the GPU size on CUDA, else the CPU size (MPS: not measured)
+    on_cuda = pick_device(given.device).startswith("cuda")
+    size = ("gpu" if on_cuda else "cpu") if given.size == "auto" else given.size
+    p.set_defaults(**SIZES[size])   # --size's defaults; the flags given win
+    args = p.parse_args(argv)
+    args.size, args.size_auto = size, given.size == "auto"
+    return check_args(p, args)
 
 def sft_model(args, task):
     """The SFT model: trained now (--stage sft, or --stage all without a matching checkpoint), else loaded."""
@@ -626,9 +624,8 @@ def describe_run(args):
 NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
 
 def refuse_to_overwrite(args):
-    """A folder that holds a run is continued (--resume, with the flags in its run.json but NOT_RESULTS;
-    a larger --rl-steps makes it longer) or replaced (--overwrite: its checkpoint goes now, never to be
-    resumed with the new log), never silently reused."""
+    """A folder holding a run is continued (--resume, with its run.json's flags but NOT_RESULTS; a larger
+    --rl-steps runs longer) or replaced (--overwrite: its checkpoint goes now), never silently reused."""
     run_dir = os.path.join(args.out_dir, args.run_name)
     record, ckpt = os.path.join(run_dir, "run.json"), os.path.join(run_dir, "ckpt.pt")
     if args.overwrite and args.stage != "sft" and args.rank == 0 and os.path.isfile(ckpt):
@@ -666,7 +663,8 @@ def main(argv=None):
         return answer
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
-    print(f"task {task.name} | device {args.device} | seed {args.seed}"
+    auto = f" (--size auto: {'CUDA' if args.size == 'gpu' else 'no CUDA device'})" if args.size_auto else ""
+    print(f"task {task.name} | device {args.device} | seed {args.seed} | size {args.size}{auto}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
     refuse_to_overwrite(args)
     model = make_model(task, args) if args.resume else sft_model(args, task)  # --resume: run_rl loads weights
@@ -689,12 +687,12 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except RunError as e:  # a missing or wrong checkpoint, a diverged run: the same on every process
-        print(f"bgpo.py: error: {e}", file=sys.stderr)
+    except (RunError, torch.OutOfMemoryError) as e:  # a wrong checkpoint, a diverged run, the GPU's memory
+        print("bgpo.py: error: " + (str(e) if isinstance(e, RunError) else "out of GPU memory: a smaller "
+              "--mc-chunk or --size cpu; --resume continues from the last checkpoint"), file=sys.stderr)
         code = 2
     if dist.is_initialized():
-        # Leave together: a process that tears down its connections while rank 0 still writes its files
-        # can abort it (gloo: "terminate called"). Another exception exits non-zero; torchrun stops the rest.
+        # Leave together: a process tearing down its connections while rank 0 writes can abort it (gloo)
         dist.barrier()
         dist.destroy_process_group()
     sys.exit(code)

@@ -558,12 +558,15 @@ def test_paired_gain_by_hand():
     with pytest.raises(ValueError):
         bgpo.paired_gain([1, 0], [1, 0, 1])                                # not the same problems
 
-def test_a_runs_last_line_gives_its_gain_with_the_paired_interval_of_its_evaluations(tmp_path, capsys):
-    """The final line's accuracies are the loop's step-0 and last evaluations, and its interval is paired_gain
-    of the two models' outcomes on those problems."""
+def test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval(tmp_path, capsys):
+    """The first line names the size and why (--size auto on the CPU: the CPU size). The final line's
+    accuracies are the loop's step-0 and last evaluations, and its interval is paired_gain of the two models'
+    outcomes on those problems."""
     argv = tiny_argv(tmp_path)
     history = bgpo.main(argv)
-    line = [l for l in capsys.readouterr().out.splitlines() if " RL steps: " in l][-1]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "task arithmetic | device cpu | seed 0 | size cpu (--size auto: no CUDA device)", out[0]
+    line = [l for l in out if " RL steps: " in l][-1]
     before, after, gain, low, high = map(float, re.findall(r"[-+]?\d+\.\d", line)[:5])
     assert (before, after) == tuple(round(100 * h["accuracy"], 1) for h in (history[0], history[-1]))
     args, task = bgpo.parse_args(argv), get_task("arithmetic")
@@ -938,14 +941,54 @@ def test_the_gpu_size_sets_its_flags_defaults_and_a_flag_given_wins():
     """--size gpu changes the defaults of the flags it names, and only those; a flag on the command line
     wins over the size. The CPU size is the defaults as --help lists them, float32 on the CPU."""
     cpu, gpu = bgpo.parse_args(["--device", "cpu"]), bgpo.parse_args(["--device", "cpu", "--size", "gpu"])
-    assert vars(cpu) == {**vars(bgpo.parse_args(["--device", "cpu", "--size", "cpu"])), "size": "cpu"}
+    assert vars(cpu) == {**vars(bgpo.parse_args(["--device", "cpu", "--size", "cpu"])), "size_auto": True}
     assert cpu.dtype == "float32" and (cpu.n_layer, cpu.n_embd, cpu.rl_steps, cpu.demos) == (3, 128, 200, 500)
     changed = {name for name in vars(cpu) if getattr(cpu, name) != getattr(gpu, name)}
-    assert changed == set(bgpo.SIZES["gpu"]) | {"size", "run_name"}, changed
+    assert changed == set(bgpo.SIZES["gpu"]) | {"size", "size_auto", "run_name"}, changed
     assert gpu.run_name == cpu.run_name + "_gpu"   # a run of each size in its own folder
     assert all(getattr(gpu, name) == value for name, value in bgpo.SIZES["gpu"].items())
     mine = bgpo.parse_args(["--device", "cpu", "--size", "gpu", "--rl-steps", "7", "--n-layer", "2"])
     assert (mine.rl_steps, mine.n_layer, mine.n_embd) == (7, 2, bgpo.SIZES["gpu"]["n_embd"])
+
+def test_size_auto_is_the_gpu_size_on_cuda_and_the_cpu_size_elsewhere(monkeypatch):
+    """--size auto (the default) takes the GPU size's defaults when --device resolves to CUDA, else the CPU
+    size's; a flag given still wins, and an explicit --size wins over the device. The device is faked
+    (pick_device says cuda; check_args, which would try to allocate there, is bypassed). A run's first line
+    says which size and why: test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval."""
+    fake = {"auto": "cuda", "cpu": "cpu"}
+    monkeypatch.setattr(bgpo, "pick_device", lambda device: fake.get(device, device))
+    monkeypatch.setattr(bgpo, "check_args", lambda p, args: args)
+    on_cuda = bgpo.parse_args([])
+    assert (on_cuda.size, on_cuda.size_auto) == ("gpu", True)
+    assert all(getattr(on_cuda, name) == value for name, value in bgpo.SIZES["gpu"].items())
+    assert bgpo.parse_args(["--n-layer", "2"]).n_layer == 2
+    assert bgpo.parse_args(["--size", "cpu"]).n_layer == bgpo.parse_args(["--device", "cpu"]).n_layer == 3
+    explicit, cpu = (bgpo.parse_args(["--device", "cpu", *size]) for size in (["--size", "gpu"], []))
+    assert (explicit.size, cpu.size) == ("gpu", "cpu")
+
+def test_running_out_of_gpu_memory_exits_2_with_the_remedy_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    """A torch.OutOfMemoryError (simulated on the CPU, in the third RL step's rollouts) ends the script with
+    one line naming the remedies (--mc-chunk, --size cpu, --resume) and exit code 2; the last checkpoint (RL
+    step 2) is whole, and --resume finishes the run from it."""
+    argv = tiny_argv(tmp_path, "--rl-steps", "3", "--sft-steps", "2", "--sft-eval-every", "2")
+    assert run_script(argv + ["--stage", "sft"], monkeypatch, capsys)[0] == 0   # a script: its own SFT_BATCH
+    real, rollouts = tiny_dllm.generate, []
+
+    def out_of_memory_at_step_3(*args, **kwargs):
+        rollouts.append(kwargs.get("temperature", 0) > 0)   # the evaluations are greedy
+        if sum(rollouts) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_dllm, "generate", out_of_memory_at_step_3)   # what bgpo.py imports as a script
+    code, err = run_script(argv + ["--stage", "rl"], monkeypatch, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert all(remedy in err for remedy in ("--mc-chunk", "--size cpu", "--resume")), err
+    run = tmp_path / "arithmetic_bgpo_nt4_seed0"
+    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 2
+    monkeypatch.setattr(tiny_dllm, "generate", real)
+    assert run_script(argv + ["--stage", "rl", "--resume"], monkeypatch, capsys)[0] == 0
+    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 3
 
 def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """bgpo.py --bench-memory: BGPO's activation memory stays flat while the naive objective's grows, and a

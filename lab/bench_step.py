@@ -182,6 +182,9 @@ def main(argv=None):
     bench, rest = p.parse_known_args(argv)   # the rest are bgpo.py's flags, checked by bgpo.parse_args
     if bench.steps < 1 or bench.warmup < 0:
         p.error(f"--steps must be at least 1 and --warmup at least 0, got {bench.steps} and {bench.warmup}")
+    for flag, value in (("--cap-gib", bench.cap_gib), ("--peak-tflops", bench.peak_tflops)):
+        if value is not None and not value > 0:
+            p.error(f"{flag} must be positive, got {value}")
     args = bgpo.parse_args(rest)
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
     if bench.cap_gib and cuda:

@@ -7,6 +7,7 @@ and a script run under it:
 The cap is PyTorch's per-process fraction of the card's memory: past it an allocation raises
 torch.OutOfMemoryError, as on the smaller card. Off CUDA there is nothing to cap and the script runs as is.
 """
+import os
 import runpy
 import sys
 
@@ -26,9 +27,9 @@ def main(argv=None):
         gib, script, *rest = float(argv[0]), argv[1], *argv[2:]
     except (IndexError, ValueError):
         gib = None
-    if gib is None or not gib > 0:   # one line and exit code 2, as bgpo.py's bad flags
-        print("python -m lab.capped: error: usage: python -m lab.capped GIB SCRIPT [ARGS ...], GIB > 0 (24)",
-              file=sys.stderr)
+    if gib is None or not gib > 0 or not os.path.isfile(script):   # one line and exit 2, as bgpo.py's flags
+        print("python -m lab.capped: error: " + (f"no script {script!r}" if gib and gib > 0 else
+              "usage: python -m lab.capped GIB SCRIPT [ARGS ...], GIB > 0 (24)"), file=sys.stderr)
         sys.exit(2)
     if torch.cuda.is_available():
         cap_memory("cuda", gib)

@@ -82,9 +82,10 @@ def check_args(p, args):
              f"--gen-steps must be in {blocks}..{L} (a step per block at least), got {args.gen_steps}")]:
         if not ok:
             p.error(message)
-    if args.size != "cpu" or args.dtype == "bfloat16" or not args.skip_tied:
+    if args.size == "gpu" or args.dtype == "bfloat16" or not args.skip_tied:
         p.error("--size gpu, --dtype bfloat16 and --no-skip-tied are bgpo.py's: the lab runs float32, its "
                 "sizes flag by flag, and leaves tied groups out")
+    args.size = "cpu"   # --size auto too: the CPU size's defaults on every device
     # bgpo.check_args sees bgpo.py's flags only (it may check every one it is given), then fills args
     named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})

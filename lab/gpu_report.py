@@ -76,7 +76,7 @@ def commands(runs_dir, dry_run):
 # the lines of a log that carry a command's result
 RESULT = re.compile(r"^(model .*|  s/step.*|profile of .*|  longest on .*|torch.compile: .*|"
                     r"\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
-                    r"kept the SFT model.*|held-out accuracy .*|\(\S+: \d+ s on .*|step +\d+ .*held-out.*|"
+                    r"kept the SFT model.*|held-out accuracy .*|\(\S+: \d+ s on .*|RL step +\d+ .*held-out.*|"
                     r"warning: .*|"
                     r".*(passed|failed|error).*|pytest \d.*|.*Error.*)$")
 

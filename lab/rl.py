@@ -307,7 +307,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
     else:
         bgpo.show_unmasking(model, task, held_out(task, args)[0], args)
         start, records = 1, [{"step": 0}]
-        print("step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool, tracked))
+        print("RL step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool, tracked))
     os.makedirs(run_dir, exist_ok=True)
     if not args.resume:
         cli.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
@@ -388,7 +388,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
                              "rollout_passes": int(batch.commit_steps.max()) + 1,
                              "rollout_seconds": rollout_seconds, "seconds": time.time() - t0})
         stats.clear()
-        line = (f"step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
+        line = (f"RL step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "
                 f"{r['seconds']:.2f} s | entropy {r['entropy']:.2f} | cos(g+, g-) {r['cos_pos_neg']:+.2f}")
         if step % args.eval_every == 0 or step == args.rl_steps:

@@ -184,11 +184,23 @@ def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, ca
     assert rows["float32"]["act_mb"] == rows["bgpo.py"]["act_mb"] > 0   # the CPU: one path, metered
     assert "| float32, random numbers drawn on the CPU" in out and "| bgpo.py: float32" in out, out
     for bad, message in [(["--steps", "0"], "--steps must be at least 1"),
-                         (["--size", "tpu"], "invalid choice")]:
+                         (["--size", "tpu"], "invalid choice"),
+                         (["--cap-gib", "-3"], "--cap-gib must be positive"),
+                         (["--peak-tflops", "0"], "--peak-tflops must be positive")]:
         with pytest.raises(SystemExit) as e:
             bench_step.main(tiny_argv(tmp_path, *bad))
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+def test_the_capped_runner_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp_path, capsys):
+    """python -m lab.capped GIB SCRIPT: a script that is not there, or a cap that is not a positive number,
+    exits 2 with one line (it used to end in a FileNotFoundError traceback)."""
+    for argv, message in [(["24", str(tmp_path / "missing.py")], "no script"), (["-3", "bgpo.py"], "GIB > 0"),
+                          (["24"], "usage"), (["x", "bgpo.py"], "usage")]:
+        with pytest.raises(SystemExit) as e:
+            capped.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
 
 def test_the_memory_cap_names_the_gpu_by_its_index(monkeypatch):
     """torch.cuda.set_per_process_memory_fraction wants a device index and refused the bare "cuda" that

@@ -526,8 +526,8 @@ def test_lab_rl_runs_bgpo_with_both_entropy_levers(tmp_path, monkeypatch):
     assert levers and set(levers) == {(0.1, 0.2)}, levers   # rewards that differ: updates, with both levers
 
 def test_the_labs_reward_groups_refuses_what_bgpo_group_advantages_refuses():
-    """lab.objectives.reward_groups copies bgpo.group_advantages's checks: the same bad rewards and group sizes
-    raise the same one-line ValueError in both, and good ones give the same (B / G, G) groups."""
+    """lab.objectives.reward_groups copies bgpo.group_advantages's checks: the same bad rewards and group
+    sizes raise the same one-line ValueError in both, and good ones give the same (B / G, G) groups."""
     rewards = torch.arange(8.0)
     for bad in ((rewards, 3), (rewards, 1), (rewards, 2.0), (rewards.view(2, 4), 4)):
         messages = []
