@@ -193,7 +193,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
                          f"{gen_len} (a step per block), >= 0; got {block_len}, {steps}, {temperature}")
     B, P = prompts.shape
     completion = torch.full((B, gen_len), model.config.mask_id, dtype=torch.long, device=prompts.device)
-    x = torch.cat([prompts, completion], 1)                              # (B, T)
+    tokens = torch.cat([prompts, completion], 1)                         # (B, T)
     committed_at = torch.full((B, gen_len), -1, dtype=torch.long, device=prompts.device)
     step = 0
     for b in range(num_blocks):
@@ -203,7 +203,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
             n_commit = (hi - lo) // block_steps + (s < (hi - lo) % block_steps)  # tokens this sampler step
             if n_commit == 0:
                 continue                      # a short last block can have more steps than tokens
-            logits = model(x).float()                                    # (B, T, V)
+            logits = model(tokens).float()                               # (B, T, V)
             if temperature == 0:
                 x0 = logits.argmax(-1)                                   # (B, T) a token everywhere
             else:  # Gumbel-max sampling from softmax(logits / temperature); noise from the generator's device
@@ -211,13 +211,13 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
                 u = torch.rand(logits.shape, generator=generator, device=device).clamp(1e-10, 1 - 1e-10)
                 x0 = (logits + temperature * -torch.log(-torch.log(u)).to(logits.device)).argmax(-1)
             confidence = logits.softmax(-1).gather(-1, x0[..., None])[..., 0]
-            candidate = torch.zeros_like(x, dtype=torch.bool)
-            candidate[:, lo:hi] = x[:, lo:hi] == model.config.mask_id   # the current block's masked positions
+            candidate = torch.zeros_like(tokens, dtype=torch.bool)
+            candidate[:, lo:hi] = tokens[:, lo:hi] == model.config.mask_id   # the block's masked positions
             chosen = confidence.masked_fill(~candidate, -1.0).topk(n_commit, dim=1).indices   # (B, n_commit)
-            x.scatter_(1, chosen, x0.gather(1, chosen))
+            tokens.scatter_(1, chosen, x0.gather(1, chosen))
             committed_at.scatter_(1, chosen - P, step)
             step += 1
-    completions = x[:, P:]
+    completions = tokens[:, P:]
     return (completions, committed_at) if return_steps else completions
 
 # -----------------------------------------------------------------------------
