@@ -1281,7 +1281,8 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "terminate called" not in run.stderr and "Signal" not in run.stderr, run.stderr[-2000:]
-    assert run.stdout.count("task arithmetic | device cpu | seed 0 | 2 processes") == 1, run.stdout
+    first = "task arithmetic | device cpu | seed 0 | size cpu (--size auto: no CUDA device) | 2 processes"
+    assert run.stdout.count(first) == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
     run_dir = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(run_dir) == 1 and run_dir[0].name.endswith("_2processes"), run_dir   # not a one-process run's

@@ -269,8 +269,11 @@ def curves(jobs, key="accuracy"):
 def diagnostics(jobs):
     """Per RL arm, means over seeds of what its runs logged (lab.rl's diagnostics) in the first and the last
     50 RL steps: where the signal comes from, how the update splits, where the seconds go."""
-    fields = {"solve_groups": "groups with a solve and a miss",
+    fields = {"solve_groups": "solve groups (a solve and a miss)",
               "credit_only_groups": "groups differing by the 0.1 only", "solved": "rollouts solved",
+              "informative_rows": "rows with A != 0", "never_solved": "groups drawn never solved",
+              "always_solved": "groups drawn always solved", "sampler_batches": "sampler batches a step",
+              "hinted_groups": "groups given a solve by a hint",
               "neg_over_pos": "|g-| / |g+|",
               "cos_pos_neg": "cos(g+, g-)", "rollout_share": "share of a step's seconds in rollouts"}
     per_arm = {}   # arm: {(field, "first" or "last"): [a mean per seed]}
