@@ -676,7 +676,7 @@ def main(argv=None):
     gain, half = paired_gain(before, after)
     print(f"\nheld-out accuracy {sum(before) / len(before):.1%} -> {sum(after) / len(after):.1%} after "
           f"{history[-1]['step']} RL steps: {100 * gain:+.1f} points, 95% interval "
-          f"[{100 * (gain - half):+.1f}, {100 * (gain + half):+.1f}] on these {len(after)} problems\n"
+          f"[{100 * (gain - half):+.1f}, {100 * (gain + half):+.1f}] on {len(after)} problems\n"
           f"({args.run_name}: {time.time() - t0:.0f} s on {args.device}"
           + (f", CUDA peak {torch.cuda.max_memory_allocated(args.device) / 2**20:,.0f} MiB" if
              args.device.startswith("cuda") else "") + ")\n"
