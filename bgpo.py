@@ -96,7 +96,7 @@ def ppo_clip(ratio, A, clip_eps):
 
 def naive_objective(d, A, clip_eps=None):
     """R_hat = exp(mean_j d_j) * A per completion (Eq. 7): (B, M) log-ratios -> (B,). exp(mean_j d_j)
-    estimates the importance ratio (pi_theta / pi_old)^(1/L); the exp couples the M copies."""
+    estimates the per-token importance ratio (pi_theta / pi_old)^(1/L); the exp couples the M copies."""
     return ppo_clip(d.mean(1).exp(), A, clip_eps)
 
 def bgpo_bound(d, A, n_t, clip_eps=None):
@@ -349,7 +349,7 @@ def sample_rollouts(model, task, prompts, args, generator):
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
-    """Greedy answers to the held-out problems: adds their scores to a step's log record; returns them."""
+    """Greedy answers to the held-out problems: adds their scores to an RL step's log record; returns text."""
     result = evaluate(model, task, held_out(task, args), args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
     return (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"

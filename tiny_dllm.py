@@ -183,8 +183,8 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     Blocks of block_len tokens are filled left to right (semi-autoregressive); inside a block,
     each sampler step predicts every masked position, then commits only the n_commit most confident
     predictions and leaves the rest masked. LLaDA calls this "low-confidence remasking": predict all,
-    remask the least confident. Confidence is the model's probability of the chosen token; the block's
-    tokens are spread as evenly as possible over its `steps` sampler steps. temperature 0 is greedy.
+    remask the least confident. Confidence is the model's probability of the chosen token; a block's tokens
+    are spread as evenly as possible over its share of the `steps` sampler steps. temperature 0 is greedy.
     With return_steps=True also returns the (B, L) sampler step at which each position was committed."""
     steps, block_len = gen_len if steps is None else steps, gen_len if block_len is None else block_len
     num_blocks = math.ceil(gen_len / block_len) if 1 <= block_len <= gen_len else 0
