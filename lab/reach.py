@@ -17,21 +17,16 @@ import torch
 
 import bgpo
 from lab import cli, rl
-from lab.sampler import sample_rollouts
 from tasks import get_task
 
 SAMPLERS = (("low_confidence", 1.3), ("low_confidence", 1.0), ("random", 1.0), ("random", 1.3))
 
-def solves(model, task, prompts, n_samples, args, remasking, temperature, per_call=8):
-    """Per prompt, how many of its n_samples samples solve it."""
+def solves(model, task, prompts, n_samples, args, remasking, temperature):
+    """Per prompt, how many of its n_samples samples by this sampler at this temperature solve it (8 prompts
+    a call: 1,024 rollouts at 128 samples)."""
     args = argparse.Namespace(**{**vars(args), "temperature": temperature})
     generator = torch.Generator().manual_seed(args.seed + 3)
-    counts = []
-    for i in range(0, len(prompts), per_call):
-        batch = sample_rollouts(model, task, prompts[i:i + per_call], n_samples, args, generator,
-                                remasking=remasking)
-        counts += (batch.rewards == 1.0).view(-1, n_samples).sum(1).tolist()
-    return counts
+    return rl.solve_counts(model, task, prompts, n_samples, args, generator, per_call=8, remasking=remasking)
 
 def main(argv=None):
     p = cli.make_parser("python -m lab.reach",

@@ -444,15 +444,20 @@ def pass_at_k(n, c, k):
         raise ValueError(f"pass_at_k: need integers 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
+def solve_counts(model, task, prompts, n_samples, args, generator, per_call=16, **options):
+    """Per prompt, how many of n_samples samples by lab.sampler.sample_rollouts (at --temperature, with
+    generate's options: low-confidence remasking unless remasking= says otherwise) solve it."""
+    solves = []
+    for i in range(0, len(prompts), per_call):
+        batch = sample_rollouts(model, task, prompts[i:i + per_call], n_samples, args, generator, **options)
+        solves += (batch.rewards == 1.0).view(-1, n_samples).sum(1).tolist()
+    return solves
+
 def reach(model, task, prompts, args, generator, per_call=16):
     """pass@k for k in PASS_K at the rollout temperature, from PASS_SAMPLES samples of each prompt by
     lab.sampler.sample_rollouts with low-confidence remasking (the rollouts' sampler, without the options of
     --remasking or STP): {k: (mean over the prompts, its standard error)}."""
-    solves = []   # per prompt, how many of its samples solve it
-    for i in range(0, len(prompts), per_call):
-        chunk = prompts[i:i + per_call]
-        batch = sample_rollouts(model, task, chunk, PASS_SAMPLES, args, generator)
-        solves += (batch.rewards == 1.0).view(-1, PASS_SAMPLES).sum(1).tolist()
+    solves = solve_counts(model, task, prompts, PASS_SAMPLES, args, generator, per_call)
     out = {}
     for k in PASS_K:
         values = [pass_at_k(PASS_SAMPLES, c, k) for c in solves]
