@@ -97,8 +97,8 @@ def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mo
     else:
         raise ValueError(f"mode: expected 'inpaint' or 'solution', got {mode!r}")
     got = torch.zeros_like(failed)
-    y, x, commit_steps, rewards, texts = (batch.y.clone(), batch.x.clone(), batch.commit_steps.clone(),
-                                          batch.rewards.clone(), list(batch.texts))
+    y, commit_steps, rewards, texts = (batch.y.clone(), batch.commit_steps.clone(), batch.rewards.clone(),
+                                       list(batch.texts))   # the prompts stay: x is batch.x
     for j, i in enumerate(which):
         if hinted.rewards[j] == 1.0:
             row = (i + 1) * group_size - 1                                # the group's last rollout
@@ -106,4 +106,4 @@ def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mo
                                                                    hinted.commit_steps[j].to(y.device),
                                                                    hinted.rewards[j], hinted.texts[j])
             got[i] = True
-    return Rollouts(list(batch.prompts), x, y, commit_steps, texts, rewards), got, failed
+    return Rollouts(list(batch.prompts), batch.x, y, commit_steps, texts, rewards), got, failed
