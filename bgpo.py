@@ -79,7 +79,8 @@ def check_shapes(prompts, completions, mc, old_terms=None, advantages=None):
     for name, (tensor, shape) in expected.items():
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"{name}: expected {shape}, got shape {tuple(tensor.shape)}")
-    if advantages is not None and torch.isnan(advantages).any():
+    # NaN: checked on the host's tensors alone, as on a GPU's the host would wait for the device
+    if advantages is not None and advantages.device.type == "cpu" and torch.isnan(advantages).any():
         raise ValueError(f"advantages: contains NaN (shape {tuple(advantages.shape)})")
 
 def log_ratio(terms, old_terms, L):

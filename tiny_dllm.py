@@ -147,7 +147,9 @@ def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratifi
     device = "cpu" if generator is None else generator.device      # draws are made where the generator is
     if scheme == "stratified":
         k0 = torch.randint(1, L + 1, (B, 1), generator=generator, device=device)
-        k = (k0 - 1 + torch.tensor([round(j * L / M) for j in range(M)], device=device)) % L + 1   # (B, M)
+        # round(j L / M), halves to even as Python's round, made where k0 is: no copy from the host
+        offsets = (torch.arange(M, dtype=torch.float64, device=device) * L / M).round().long()   # (M,)
+        k = (k0 - 1 + offsets) % L + 1                                                           # (B, M)
         return mask_by_count(k.flatten(), L, generator).view(B, M, L), L / k.to(torch.get_default_dtype())
     if scheme == "iid":
         t = 1.0 - torch.rand(B, M, generator=generator, device=device)  # in (0, 1]: never divide by zero

@@ -18,7 +18,11 @@ Ops: in one more step per path, the ATen ops dispatched (views, which launch no 
 the sampler, the update (bgpo_backward), the optimizer (clip and AdamW) and the rest. On a GPU each is at
 least one kernel launch, a few microseconds of the host's time: a small model's step is launch-bound long
 before it is FLOP-bound. The count does not depend on the device's speed, so the CPU can count the GPU's
-path (but for what dispatches differently there: on CUDA, flash attention).
+path (but for what dispatches differently there: on CUDA, flash attention). Syncs, beside them on a GPU:
+the ops after which the host waits for the device (`waits`): a value read on the host (`.item()`, `float`,
+an `if` on a tensor), a shape that depends on values (`nonzero`, a boolean index), a copy between the host's
+memory and the device's (but a non-blocking one). The host then stops queuing kernels until the GPU catches
+up. On the CPU every tensor is the host's: nothing to wait for, and the columns show "-".
 
 MFU as nanoGPT's estimate_mfu counts it: a token's forward pass costs 2N + 4 n_layer T C FLOPs (N parameters
 without the position table, T tokens, C the width) and forward plus backward three times that. A step runs
@@ -57,13 +61,35 @@ def step_flops(model, task, args):
 NO_KERNEL = {"detach", "lift_fresh", "empty", "empty_strided", "empty_like", "_record_function_enter_new",
              "_record_function_exit"}
 
+# ops whose output's shape depends on the input's values: the host reads them before it can go on
+VALUE_SHAPED = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+                "unique_dim", "repeat_interleave"}
+
+def waits(func, args, kwargs):
+    """Whether the ATen op func(*args, **kwargs) makes the host wait for a device: a device tensor's value
+    read on the host, a value-dependent shape on a device, or a blocking copy between host and device."""
+    name, tensors = func.overloadpacket.__name__, [a for a in args if isinstance(a, torch.Tensor)]
+    on_device = any(t.device.type != "cpu" for t in tensors)
+    if name == "_local_scalar_dense" or name in VALUE_SHAPED:
+        return on_device
+    if name == "index":   # x[mask] with a boolean mask: the kept rows' count is a value
+        return on_device and any(i is not None and i.dtype == torch.bool for i in args[1])
+    if name == "copy_":   # copy_(dst, src, non_blocking=False)
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return blocking and (args[0].device.type == "cpu") != (args[1].device.type == "cpu")
+    if name == "_to_copy":   # x.to(device): the device is a keyword
+        dst = torch.device(kwargs.get("device") or args[0].device)
+        return not kwargs.get("non_blocking", False) and (dst.type == "cpu") != (args[0].device.type == "cpu")
+    return False
+
 class OpCounter(TorchDispatchMode):
     """While active (a with block): the ATen ops dispatched, views and NO_KERNEL left out, counted in
-    self.counts by self.phase (set it with `with counter.at("update"):`)."""
+    self.counts by self.phase (set it with `with counter.at("update"):`), and those that make the host
+    wait for the device (`waits`) in self.syncs."""
 
     def __init__(self):
         super().__init__()
-        self.counts, self.phase = collections.Counter(), "other"
+        self.counts, self.syncs, self.phase = collections.Counter(), collections.Counter(), "other"
 
     @contextlib.contextmanager
     def at(self, phase):
@@ -76,6 +102,7 @@ class OpCounter(TorchDispatchMode):
         on_cpu = name == "_local_scalar_dense" and args[0].device.type == "cpu"
         if not func.is_view and name not in NO_KERNEL and not on_cpu:
             self.counts[self.phase] += 1
+        self.syncs[self.phase] += waits(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None):
@@ -100,9 +127,9 @@ def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None):
 
 def time_path(task, args, path, bench):
     """One path ("float32" or "bgpo.py"), timed: {"s": median seconds per step, "cuda_mb": CUDA peak MiB
-    or None, "act_mb": the update's activation MiB by the meter or None, "flops": a step's, "params", "ops":
-    a step's ops by phase}. The model goes when it returns: the next path does not share the memory (or the
-    cap) with it."""
+    or None, "act_mb": the update's activation MiB by the meter or None, "flops": a step's, "params", "ops"
+    and "syncs": a step's by phase}. The model goes when it returns: the next path does not share the memory
+    (or the cap) with it."""
     cuda, old = args.device.startswith("cuda"), path == "float32"
     args = argparse.Namespace(**{**vars(args), **({"dtype": "float32", "mc_chunk": 1} if old else {})})
     torch.set_float32_matmul_precision("high" if cuda and path == "bgpo.py" else "highest")
@@ -132,7 +159,7 @@ def time_path(task, args, path, bench):
     profile = bench.profile and path == "bgpo.py" and profile_step(one_step, args.device)
     return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
             "cuda_mb": cuda_mb, "flops": step_flops(model, task, args), "params": model.num_params(),
-            "ops": dict(ops.counts), "profile": profile}
+            "ops": dict(ops.counts), "syncs": dict(ops.syncs), "profile": profile}
 
 def profile_step(step, device):
     """One more step under torch.profiler: where its wall time goes. Returns the lines to print: the step's
@@ -198,7 +225,7 @@ def main(argv=None):
           f"PyTorch {torch.__version__} | median of {bench.steps} steps after {bench.warmup}"
           + (f" | memory capped at {bench.cap_gib:g} GiB" if bench.cap_gib and cuda else ""))
     print("  s/step speed-up     MFU act MiB" + (" CUDA peak MiB" if cuda else "")
-          + " | ops: sampler update optim. other  total | path")
+          + " | ops: sampler update optim. other  total | syncs: sampler update optim. other | path")
     labels = {"float32": "float32, random numbers drawn on the CPU, activation meter, n_t passes, AdamW a "
                          "parameter at a time (before the GPU lines)",
               "bgpo.py": f"bgpo.py: {args.dtype}, --mc-chunk {args.mc_chunk}"
@@ -206,12 +233,14 @@ def main(argv=None):
                          + (", torch.compile" if bench.compile else "")}
     for path, row in rows.items():
         row["mfu"] = flops / row["s"] / peak if peak else None
-        ops = [row["ops"].get(phase, 0) for phase in ("sampler", "update", "optimizer", "other")]
+        phases = ("sampler", "update", "optimizer", "other")
+        ops, syncs = ([row[key].get(phase, 0) for phase in phases] for key in ("ops", "syncs"))
         print(f"{row['s']:8.4f} {rows['float32']['s'] / row['s']:7.2f}x "
               + (f"{row['mfu']:7.1%} " if peak else f"{'-':>7} ") + (f"{row['act_mb']:7.1f}" if row["act_mb"]
                                                                    else f"{'-':>7}")
               + (f" {row['cuda_mb']:13.0f}" if cuda else "")
               + " | " + " ".join(f"{n:>{w}}" for n, w in zip(ops + [sum(ops)], (12, 6, 6, 5, 6)))
+              + " | " + " ".join(f"{n if cuda else '-':>{w}}" for n, w in zip(syncs, (14, 6, 6, 5)))
               + f" | {labels[path]}")
     for line in rows["bgpo.py"]["profile"] or []:
         print(line)

@@ -192,6 +192,24 @@ def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, ca
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
+def test_the_sync_count_says_when_the_host_waits_for_the_device():
+    """bench_step.waits, by hand: a meta tensor stands in for a GPU's (its device is not the host's; the
+    op is classified, never run)."""
+    aten, gpu, host = torch.ops.aten, torch.empty(4, device="meta"), torch.empty(4)
+    cases = [(aten._local_scalar_dense.default, (gpu,), {}, True),       # .item(), float(), if tensor:
+             (aten._local_scalar_dense.default, (host,), {}, False),
+             (aten.nonzero.default, (gpu,), {}, True),                   # the shape is a value
+             (aten.index.Tensor, (gpu, [gpu > 0]), {}, True),            # x[mask]
+             (aten.index.Tensor, (gpu, [gpu.long()]), {}, False),         # x[indices on the device]
+             (aten._to_copy.default, (gpu,), {"device": torch.device("cpu")}, True),        # y.cpu()
+             (aten._to_copy.default, (host,), {"device": torch.device("meta")}, True),      # a.to(device)
+             (aten._to_copy.default, (host,), {"device": torch.device("meta"), "non_blocking": True}, False),
+             (aten._to_copy.default, (gpu,), {"dtype": torch.float16}, False),
+             (aten.copy_.default, (gpu, host), {}, True), (aten.copy_.default, (gpu, host, True), {}, False),
+             (aten.copy_.default, (gpu, gpu), {}, False), (aten.add.Tensor, (gpu, gpu), {}, False)]
+    for func, args, kwargs, expected in cases:
+        assert bench_step.waits(func, args, kwargs) == expected, (func, kwargs)
+
 def test_the_capped_runner_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp_path, capsys):
     """python -m lab.capped GIB SCRIPT: a script that is not there, or a cap that is not a positive number,
     exits 2 with one line (it used to end in a FileNotFoundError traceback)."""
@@ -226,8 +244,8 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
     assert [(name, code) for name, _, _, code, _, _ in done] == [
         ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 0), ("pytest", 0)]
     report = (tmp_path / "report.md").read_text()
-    for shown in ("| ops: sampler update optim. other  total | path", "profile of one bgpo.py step",
-                  "held-out accuracy 0.0% -> ",
+    for shown in ("| ops: sampler update optim. other  total | syncs: sampler update optim. other | path",
+                  "profile of one bgpo.py step", "held-out accuracy 0.0% -> ",
                   " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest "):
         assert shown in report, (shown, report)
     memory_table = report[report.index("## bench-memory"):report.index("## torchrun")]
