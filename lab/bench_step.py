@@ -5,7 +5,7 @@ without TF32, the sampler's and the MC draws' random numbers drawn on the CPU an
 meter's hooks on every step, one MC copy per backward, AdamW and the gradient clip one parameter at a time),
 side by side in one process, on one model, with the same batches.
 
-    python -m lab.bench_step [--steps 20] [--warmup 3] [--compile] [--cap-gib 24] [any bgpo.py flag]
+    python -m lab.bench_step [--steps 20] [--warmup 3] [--compile | --graphs] [--cap-gib 24] [bgpo.py flags]
     python -m lab.bench_step --size gpu --device cuda --cap-gib 24     # the GPU size on a 24 GB budget
 
 The step is bgpo.run_rl's loop body for one on-policy BGPO update (a copy): fresh prompts, G rollouts each
@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import bgpo
 from lab import cli
 from lab.capped import cap_memory
+from lab.graphs import GraphedSampler
 from tasks import get_task
 from tiny_dllm import ActivationMemory
 
@@ -105,15 +106,22 @@ class OpCounter(TorchDispatchMode):
         self.syncs[self.phase] += waits(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
-def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None):
+def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sampler=None):
     """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards),
     with bgpo.autocast where run_rl has it. Counts its ops by phase into ops (an active OpCounter) if given.
-    Returns the activation meter's peak bytes in the update (one --mc-chunk's), or None."""
+    sampler: a GraphedSampler in the place of the eager one. Returns the activation meter's peak bytes in
+    the update (one --mc-chunk's), or None."""
     G, B, L = args.group_size, args.group_size * args.prompts_per_step, task.gen_len
     at = ops.at if ops else lambda phase: contextlib.nullcontext()
     prompts = task.sample(B // G, "train", generator)[0]
     with at("sampler"):
-        x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
+        if sampler is None:
+            x, y, rewards = bgpo.sample_rollouts(model, task, prompts, args, noise)
+        else:   # bgpo.sample_rollouts with the graph's replay for generate
+            prompts = [p for p in prompts for _ in range(G)]
+            x = bgpo.encode(task, prompts, device=args.device)
+            y = sampler(x)
+            rewards = torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
     A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
     mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
     optimizer.zero_grad(set_to_none=True)
@@ -140,8 +148,10 @@ def time_path(task, args, path, bench):
     generator = torch.Generator().manual_seed(args.seed + 1)
     new_gpu_path = cuda and path == "bgpo.py"
     noise = torch.Generator(args.device).manual_seed(args.seed + 2) if new_gpu_path else generator
+    graphed = bench.graphs and new_gpu_path   # the sampler replayed from a CUDA graph, captured at step 1
+    sampler = GraphedSampler(model, task.gen_len, bgpo.TEMPERATURE, noise, args.dtype) if graphed else None
     one_step = lambda ops=None: rl_step(step_model, optimizer, task, args, generator, noise,
-                                        meter=not new_gpu_path, ops=ops)
+                                        meter=not new_gpu_path, ops=ops, sampler=sampler)
     if cuda:
         torch.cuda.reset_peak_memory_stats(args.device)
     seconds = []
@@ -200,6 +210,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20, help="steps timed per path (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="steps run first, not timed")
     p.add_argument("--compile", action="store_true", help="torch.compile the model of bgpo.py's path")
+    p.add_argument("--graphs", action="store_true",
+                   help="CUDA: bgpo.py's path samples by replaying a CUDA graph of the sampler (lab.graphs)")
     p.add_argument("--cap-gib", type=float, default=None,
                    help="CUDA: cap this process's GPU memory (24: a consumer GPU's budget on a bigger card)")
     p.add_argument("--profile", action="store_true",
@@ -214,6 +226,9 @@ def main(argv=None):
             p.error(f"{flag} must be positive, got {value}")
     args = bgpo.parse_args(rest)
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
+    if bench.graphs and (bench.compile or not cuda):
+        p.error("--graphs needs a CUDA device and no --compile"
+                + ("" if cuda else f", got --device {args.device}"))
     if bench.cap_gib and cuda:
         cap_memory(args.device, bench.cap_gib)
     device = torch.cuda.get_device_name(args.device) if cuda else f"cpu, {torch.get_num_threads()} threads"
@@ -230,7 +245,8 @@ def main(argv=None):
                          "parameter at a time (before the GPU lines)",
               "bgpo.py": f"bgpo.py: {args.dtype}, --mc-chunk {args.mc_chunk}"
                          + (", TF32, random numbers on the GPU, no meter" if cuda else "")
-                         + (", torch.compile" if bench.compile else "")}
+                         + (", torch.compile" if bench.compile else "")
+                         + (", the sampler a CUDA graph" if bench.graphs else "")}
     for path, row in rows.items():
         row["mfu"] = flops / row["s"] / peak if peak else None
         phases = ("sampler", "update", "optimizer", "other")

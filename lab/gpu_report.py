@@ -9,19 +9,20 @@ most 8 files.
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
 1. alone, so that its timings are the card's (at most 1.5, 2 and 4 minutes; on an H200 16 s, ~1 and 2 min):
    - `python -m lab.bench_step --size gpu --cap-gib 24`: seconds per RL step of bgpo.py's path against the
-     float32 path it replaced, MFU, ops dispatched by phase, a profile of one step (the host's time against
-     the GPU's); then again with `--compile` (bench.log);
-   - `python -m lab.capped 24 bgpo.py --size gpu`: Countdown at the GPU size, SFT then RL (countdown.log);
+     float32 path it replaced, MFU, ops and syncs by phase, a profile of one step (the host's time against
+     the GPU's); then again with the sampler replayed as a CUDA graph, `--graphs` (bench.log);
+   - `python -m lab.capped 24 bgpo.py`: the card's command, Countdown at the GPU size (`--size auto` on CUDA),
+     SFT then RL (countdown.log);
 2. side by side in the time left, one log file's commands after each other (timings shared with the rest):
    - `python -m pytest -q` (pytest.log);
-   - `bgpo.py --size gpu --bench-memory` under the cap: where the naive update runs out; then 20 RL steps
+   - `bgpo.py --bench-memory` under the cap: where the naive update runs out; then 20 RL steps
      under `torchrun --nproc_per_node=1` (the launcher's path: one process makes no collective, so NCCL's
      all-reduce needs two GPUs) (memory.log);
-   - `bgpo.py --size gpu --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
+   - `bgpo.py --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
      sudoku.log);
    - Countdown again with `--demos 0` (SFT on fresh demonstrations every step): one run, a screen of what
      stands between the GPU size and 50% held-out (after the first in countdown.log).
-The dry run runs each kind of command once (not the other two tasks, nor --compile), side by side.
+The dry run runs each kind of command once (not the other two tasks, nor --graphs), side by side.
 The GPU's utilisation is sampled every 0.5 s (nvidia-smi, util.csv); report.md gives, for each command, its
 exit status, seconds, mean utilisation and the lines that carry its result.
 """
@@ -51,7 +52,8 @@ TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--demos", "20", "-
 def commands(runs_dir, dry_run):
     """[(phase, log file, name, argv)]: phase 1 runs alone and in order, phase 2 side by side."""
     py, tiny = sys.executable, TINY if dry_run else []
-    bgpo_py = [py, "-m", "lab.capped", "24", "bgpo.py", "--size", "gpu", "--out-dir", runs_dir]
+    # bgpo.py without --size: on CUDA the default, auto, is the GPU size (the dry run on the CPU names it)
+    bgpo_py = [py, "-m", "lab.capped", "24", "bgpo.py", "--out-dir", runs_dir] + ["--size", "gpu"] * dry_run
     bench = [py, "-m", "lab.bench_step", "--size", "gpu", "--cap-gib", "24", "--steps", "10", "--warmup", "3"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
                 "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
@@ -62,7 +64,7 @@ def commands(runs_dir, dry_run):
                 (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"] + tiny),
                 (2, "memory.log", "torchrun", torchrun + tiny), (2, "pytest.log", "pytest", pytest)]
     return [(1, "bench.log", "bench_step", bench + ["--profile"]),
-            (1, "bench.log", "bench_step --compile", bench + ["--compile"]),   # after the first, in its log
+            (1, "bench.log", "bench_step --graphs", bench + ["--graphs"]),   # after the first, in its log
             (1, "countdown.log", "countdown", bgpo_py),
             (2, "pytest.log", "pytest", pytest),
             (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"]),
@@ -147,7 +149,7 @@ def main(argv=None):
         stdout=open(os.path.join(args.out, "util.csv"), "w")) if smi else None
     done = []   # (name, argv, log, code, start, end)
     planned = commands(runs_dir, args.dry_run)
-    limits = {"bench_step": 90, "bench_step --compile": 120, "countdown": 240}   # phase 1's, in seconds
+    limits = {"bench_step": 90, "bench_step --graphs": 90, "countdown": 240}   # phase 1's, in seconds
     for phase, log, name, argv in [c for c in planned if c[0] == 1]:
         began = time.time()
         process, handle = start(argv, os.path.join(args.out, log), env)
@@ -176,7 +178,7 @@ def main(argv=None):
     lines = [f"# GPU report: {device}", "",
              f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
-             f"(limit {args.minutes:g} min). Phase 1 (bench_step, with --compile, countdown) ran alone; the "
+             f"(limit {args.minutes:g} min). Phase 1 (bench_step, with --graphs, countdown) ran alone; the "
              "rest side by side.", ""]
     for name, argv, log, code, began, ended in done:
         util = utilisation(samples, began, ended)

@@ -13,9 +13,10 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, negatives, objectives, offpolicy, rl, sampler, stages)
+                 figures, gpu_report, graphs, negatives, objectives, offpolicy, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
+from tiny_dllm import generate
 
 @pytest.fixture(scope="module")
 def shared_out(tmp_path_factory):
@@ -186,7 +187,8 @@ def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, ca
     for bad, message in [(["--steps", "0"], "--steps must be at least 1"),
                          (["--size", "tpu"], "invalid choice"),
                          (["--cap-gib", "-3"], "--cap-gib must be positive"),
-                         (["--peak-tflops", "0"], "--peak-tflops must be positive")]:
+                         (["--peak-tflops", "0"], "--peak-tflops must be positive"),
+                         (["--graphs"], "--graphs needs a CUDA device")]:
         with pytest.raises(SystemExit) as e:
             bench_step.main(tiny_argv(tmp_path, *bad))
         err = capsys.readouterr().err
@@ -209,6 +211,32 @@ def test_the_sync_count_says_when_the_host_waits_for_the_device():
              (aten.copy_.default, (gpu, gpu), {}, False), (aten.add.Tensor, (gpu, gpu), {}, False)]
     for func, args, kwargs, expected in cases:
         assert bench_step.waits(func, args, kwargs) == expected, (func, kwargs)
+
+def test_the_graphed_sampler_refuses_a_generator_off_the_gpu():
+    model = bgpo.make_model(get_task("arithmetic"), bgpo.parse_args(tiny_argv("unused")))
+    with pytest.raises(ValueError, match="generator: a CUDA graph draws on the GPU"):
+        graphs.GraphedSampler(model, 5, 1.3, torch.Generator())
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_the_graphed_sampler_draws_what_the_eager_sampler_draws(tmp_path):
+    """Replays of the captured sampler against eager calls with a twin generator, bit for bit, three times,
+    with the weights moved in place between calls as the optimizer moves them: one capture, the same
+    completions, the generators in the same state after."""
+    args = bgpo.parse_args(tiny_argv(tmp_path, "--device", "cuda", "--task", "countdown"))
+    task = get_task("countdown")
+    torch.manual_seed(0)
+    model = bgpo.make_model(task, args)
+    x = bgpo.encode(task, task.sample(16, "train", 0)[0], device=args.device)
+    graphed, eager = (torch.Generator(args.device).manual_seed(5) for _ in range(2))
+    sampler = graphs.GraphedSampler(model, task.gen_len, bgpo.TEMPERATURE, graphed, args.dtype)
+    for _ in range(3):
+        with bgpo.autocast(args):
+            expected = generate(model, x, task.gen_len, temperature=bgpo.TEMPERATURE, generator=eager)
+        assert torch.equal(sampler(x), expected)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.05)
+    assert sampler.captures == 1 and torch.equal(graphed.get_state(), eager.get_state())
 
 def test_the_capped_runner_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp_path, capsys):
     """python -m lab.capped GIB SCRIPT: a script that is not there, or a cap that is not a positive number,
