@@ -50,13 +50,19 @@ from tiny_dllm import ActivationMemory
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "L40": 181.0,
                "L4": 121.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
 
-def step_flops(model, task, args):
+def step_flops(model, task, args, updated=None):
     """The model FLOPs of one step by nanoGPT's count: the sampler's gen_len forward passes over the B rows
-    (one token committed a pass), then n_t forward and backward passes over them (every row in the update)."""
+    (one token committed a pass), then n_t forward and backward passes over the rows updated (None: all B)."""
     N = model.num_params() - model.pos_emb.weight.numel()
     T, C, B = task.prompt_len + task.gen_len, args.n_embd, args.group_size * args.prompts_per_step
     forward = 2 * N + 4 * args.n_layer * T * C          # a token's forward pass
-    return B * T * (task.gen_len + 3 * args.mc_samples) * forward
+    return T * (B * task.gen_len + (B if updated is None else updated) * 3 * args.mc_samples) * forward
+
+def updated_rows(args, mixed):
+    """The rows an update takes when a share `mixed` of the groups have rewards that differ: all of them
+    without --skip-tied (a fixed shape), else the mixed groups' rows alone."""
+    groups = round(mixed * args.prompts_per_step)
+    return args.group_size * (groups if args.skip_tied else args.prompts_per_step)
 
 # no kernel: allocation and bookkeeping; .item() counts only on a device's tensor (AdamW reads its CPU steps)
 NO_KERNEL = {"detach", "lift_fresh", "empty", "empty_strided", "empty_like", "_record_function_enter_new",
@@ -106,11 +112,11 @@ class OpCounter(TorchDispatchMode):
         self.syncs[self.phase] += waits(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
-def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sampler=None):
-    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards),
-    with bgpo.autocast where run_rl has it. Counts its ops by phase into ops (an active OpCounter) if given.
-    sampler: a GraphedSampler in the place of the eager one. Returns the activation meter's peak bytes in
-    the update (one --mc-chunk's), or None."""
+def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sampler=None, mixed=1.0):
+    """One on-policy BGPO step, as bgpo.run_rl's loop body makes it (a copy; advantages of random rewards,
+    which tie in all groups but a share `mixed`), with bgpo.autocast where run_rl has it. Counts its ops by
+    phase into ops (an active OpCounter) if given. sampler: a GraphedSampler in the place of the eager one.
+    Returns the activation meter's peak bytes in the update (one --mc-chunk's), or None."""
     G, B, L = args.group_size, args.group_size * args.prompts_per_step, task.gen_len
     at = ops.at if ops else lambda phase: contextlib.nullcontext()
     prompts = task.sample(B // G, "train", generator)[0]
@@ -122,12 +128,17 @@ def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sam
             x = bgpo.encode(task, prompts, device=args.device)
             y = sampler(x)
             rewards = torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
-    A = bgpo.group_advantages(torch.rand(B, generator=generator), G).to(args.device)   # every row updated
+    r = torch.rand(B // G, G, generator=generator)     # random rewards never tie: a mixed group each
+    r[round(mixed * (B // G)):] = 0.0                   # but the last groups' rewards tie: A = 0
+    A = bgpo.group_advantages(r.flatten(), G)
     mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
+    kept = torch.arange(B)[A != 0] if args.skip_tied else torch.arange(B)   # as run_rl keeps them
+    A_kept = (A[kept] * (len(kept) / B)).to(args.device)
+    rollouts = x[kept], y[kept], bgpo.MCSamples(mc.mask[kept], mc.weight[kept])
     optimizer.zero_grad(set_to_none=True)
     with ActivationMemory(model) if meter else contextlib.nullcontext() as memory, at("update"), \
             bgpo.autocast(args):
-        bgpo.bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk)
+        bgpo.bgpo_backward(model, *rollouts, None, A_kept, None, args.mc_chunk)
     with at("optimizer"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=optimizer.defaults["foreach"])
         optimizer.step()
@@ -151,7 +162,7 @@ def time_path(task, args, path, bench):
     graphed = bench.graphs and new_gpu_path   # the sampler replayed from a CUDA graph, captured at step 1
     sampler = GraphedSampler(model, task.gen_len, bgpo.TEMPERATURE, noise, args.dtype) if graphed else None
     one_step = lambda ops=None: rl_step(step_model, optimizer, task, args, generator, noise,
-                                        meter=not new_gpu_path, ops=ops, sampler=sampler)
+                                        meter=not new_gpu_path, ops=ops, sampler=sampler, mixed=bench.mixed)
     if cuda:
         torch.cuda.reset_peak_memory_stats(args.device)
     seconds = []
@@ -168,8 +179,9 @@ def time_path(task, args, path, bench):
         one_step(ops)
     profile = bench.profile and path == "bgpo.py" and profile_step(one_step, args.device)
     return {"s": statistics.median(seconds[bench.warmup:]), "act_mb": activations and activations / 2**20,
-            "cuda_mb": cuda_mb, "flops": step_flops(model, task, args), "params": model.num_params(),
-            "ops": dict(ops.counts), "syncs": dict(ops.syncs), "profile": profile}
+            "cuda_mb": cuda_mb, "flops": step_flops(model, task, args, updated_rows(args, bench.mixed)),
+            "params": model.num_params(), "ops": dict(ops.counts), "syncs": dict(ops.syncs),
+            "profile": profile}
 
 def profile_step(step, device):
     """One more step under torch.profiler: where its wall time goes. Returns the lines to print: the step's
@@ -210,6 +222,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20, help="steps timed per path (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="steps run first, not timed")
     p.add_argument("--compile", action="store_true", help="torch.compile the model of bgpo.py's path")
+    p.add_argument("--mixed", type=float, default=1.0,
+                   help="the share of groups whose rewards differ (the others tie; --skip-tied drops them)")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA: bgpo.py's path samples by replaying a CUDA graph of the sampler (lab.graphs)")
     p.add_argument("--cap-gib", type=float, default=None,
@@ -225,6 +239,8 @@ def main(argv=None):
         if value is not None and not value > 0:
             p.error(f"{flag} must be positive, got {value}")
     args = bgpo.parse_args(rest)
+    if not 0 < bench.mixed <= 1 or updated_rows(args, bench.mixed) == 0:
+        p.error(f"--mixed must be in (0, 1] and leave a group to update, got {bench.mixed}")
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
     if bench.graphs and (bench.compile or not cuda):
         p.error("--graphs needs a CUDA device and no --compile"
@@ -236,7 +252,9 @@ def main(argv=None):
     rows = {path: time_path(task, args, path, bench) for path in ("float32", "bgpo.py")}
     flops, B = rows["bgpo.py"]["flops"], args.group_size * args.prompts_per_step
     print(f"model {rows['bgpo.py']['params'] / 1e6:.2f}M parameters | {task.name}, {B} rollouts, "
-          f"L = {task.gen_len}, n_t {args.mc_samples} | {flops / 1e12:.3f} TFLOP a step | {device}, "
+          f"{updated_rows(args, bench.mixed)} updated ({bench.mixed:.0%} of the groups mixed, "
+          f"--{'' if args.skip_tied else 'no-'}skip-tied), L = {task.gen_len}, n_t {args.mc_samples} | "
+          f"{flops / 1e12:.3f} TFLOP a step | {device}, "
           f"PyTorch {torch.__version__} | median of {bench.steps} steps after {bench.warmup}"
           + (f" | memory capped at {bench.cap_gib:g} GiB" if bench.cap_gib and cuda else ""))
     print("  s/step speed-up     MFU act MiB" + (" CUDA peak MiB" if cuda else "")

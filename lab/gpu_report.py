@@ -7,10 +7,12 @@ most 8 files.
     python -m lab.gpu_report --dry-run      # the same commands with tiny flags, on the CPU (a test runs it)
 
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
-1. alone, so that its timings are the card's (at most 1.5, 2 and 4 minutes; on an H200 16 s, ~1 and 2 min):
+1. alone, so that its timings are the card's (at most 1, 1, 1 and 4 minutes; on an H200 the first 16 s, the
+   last 2 min):
    - `python -m lab.bench_step --size gpu --cap-gib 24`: seconds per RL step of bgpo.py's path against the
      float32 path it replaced, MFU, ops and syncs by phase, a profile of one step (the host's time against
-     the GPU's); then again with the sampler replayed as a CUDA graph, `--graphs` (bench.log);
+     the GPU's); then with the sampler replayed as a CUDA graph (`--graphs`), and with 25% of the groups mixed
+     and only their rows updated (`--mixed 0.25 --skip-tied`) (bench.log);
    - `python -m lab.capped 24 bgpo.py`: the card's command, Countdown at the GPU size (`--size auto` on CUDA),
      SFT then RL (countdown.log);
 2. side by side in the time left, one log file's commands after each other (timings shared with the rest):
@@ -65,6 +67,8 @@ def commands(runs_dir, dry_run):
                 (2, "memory.log", "torchrun", torchrun + tiny), (2, "pytest.log", "pytest", pytest)]
     return [(1, "bench.log", "bench_step", bench + ["--profile"]),
             (1, "bench.log", "bench_step --graphs", bench + ["--graphs"]),   # after the first, in its log
+            # every row updated (the GPU size's fixed shape) against the rows of the 25% of groups that differ
+            (1, "bench.log", "bench_step --skip-tied", bench + ["--mixed", "0.25", "--skip-tied"]),
             (1, "countdown.log", "countdown", bgpo_py),
             (2, "pytest.log", "pytest", pytest),
             (2, "memory.log", "bench-memory", bgpo_py + ["--bench-memory"]),
@@ -149,7 +153,7 @@ def main(argv=None):
         stdout=open(os.path.join(args.out, "util.csv"), "w")) if smi else None
     done = []   # (name, argv, log, code, start, end)
     planned = commands(runs_dir, args.dry_run)
-    limits = {"bench_step": 90, "bench_step --graphs": 90, "countdown": 240}   # phase 1's, in seconds
+    limits = {"bench_step": 60, "bench_step --graphs": 60, "bench_step --skip-tied": 60, "countdown": 240}
     for phase, log, name, argv in [c for c in planned if c[0] == 1]:
         began = time.time()
         process, handle = start(argv, os.path.join(args.out, log), env)
@@ -178,8 +182,8 @@ def main(argv=None):
     lines = [f"# GPU report: {device}", "",
              f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
-             f"(limit {args.minutes:g} min). Phase 1 (bench_step, with --graphs, countdown) ran alone; the "
-             "rest side by side.", ""]
+             f"(limit {args.minutes:g} min). Phase 1 (three bench_step, countdown) ran alone; "
+             "the rest side by side.", ""]
     for name, argv, log, code, began, ended in done:
         util = utilisation(samples, began, ended)
         status = "stopped at the time limit" if code is None else f"exit code {code}"
