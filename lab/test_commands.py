@@ -158,7 +158,7 @@ def test_memory_table_bgpo_is_flat_in_n_t_and_the_batched_estimators_grow(tmp_pa
 def test_the_step_benchmarks_flop_count_is_the_tokens_its_step_passes_through_the_model(tmp_path):
     """bench_step's FLOPs (nanoGPT's count, from the sizes) against one step's forward passes as the model
     sees them: the rows and tokens of every call, with and without grad, times a token's cost by hand."""
-    args = bgpo.parse_args(tiny_argv(tmp_path, "--mc-chunk", "2"))
+    args = bgpo.parse_args(tiny_argv(tmp_path, "--mc-chunk", "2", "--prompts-per-step", "4"))
     task, calls = get_task("arithmetic"), []
     torch.manual_seed(0)
     model = bgpo.make_model(task, args)
@@ -166,13 +166,18 @@ def test_the_step_benchmarks_flop_count_is_the_tokens_its_step_passes_through_th
                                                                      inputs[0].numel())))
     optimizer = torch.optim.AdamW(model.parameters())
     generator = torch.Generator().manual_seed(0)
-    bench_step.rl_step(model, optimizer, task, args, generator, generator, meter=True)
-    tokens = {grad: sum(n for g, n in calls if g == grad) for grad in (False, True)}
-    assert [g for g, _ in calls] == [False] * task.gen_len + [True] * 2   # the sampler's L passes; n_t 4 in 2
     C, layers, T = 16, 1, task.prompt_len + task.gen_len
     N = sum(p.numel() for name, p in model.named_parameters() if name != "pos_emb.weight")
     forward = 2 * N + 4 * layers * T * C
-    assert bench_step.step_flops(model, task, args) == tokens[False] * forward + tokens[True] * 3 * forward
+    # every row updated; then 1 of the 4 groups mixed, whose 4 rows alone --skip-tied (the CPU size's) keeps
+    for mixed, updated, rows in [(1.0, None, 16), (0.25, bench_step.updated_rows(args, 0.25), 4)]:
+        calls.clear()
+        bench_step.rl_step(model, optimizer, task, args, generator, generator, meter=True, mixed=mixed)
+        tokens = {grad: sum(n for g, n in calls if g == grad) for grad in (False, True)}
+        assert [g for g, _ in calls] == [False] * task.gen_len + [True] * 2   # the sampler's L; n_t 4 in 2
+        assert tokens[True] == rows * 4 * T and updated in (None, rows)
+        flops = (tokens[False] + 3 * tokens[True]) * forward
+        assert bench_step.step_flops(model, task, args, updated) == flops
 
 def test_the_step_benchmark_times_both_paths_and_a_bad_flag_exits_2(tmp_path, capsys):
     rows = bench_step.main(tiny_argv(tmp_path, "--steps", "1", "--warmup", "0", "--peak-tflops", "1",
