@@ -68,19 +68,22 @@ def updated_rows(args, mixed):
 NO_KERNEL = {"detach", "lift_fresh", "empty", "empty_strided", "empty_like", "_record_function_enter_new",
              "_record_function_exit"}
 
-# ops whose output's shape depends on the input's values: the host reads them before it can go on
-VALUE_SHAPED = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-                "unique_dim", "repeat_interleave"}
+# ops whose output's shape depends on the input's values, or that read a value inside (equal, allclose): the
+# host reads it before it can go on
+VALUE_READ = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
+              "repeat_interleave", "bincount", "equal", "allclose"}
 
 def waits(func, args, kwargs):
     """Whether the ATen op func(*args, **kwargs) makes the host wait for a device: a device tensor's value
     read on the host, a value-dependent shape on a device, or a blocking copy between host and device."""
     name, tensors = func.overloadpacket.__name__, [a for a in args if isinstance(a, torch.Tensor)]
     on_device = any(t.device.type != "cpu" for t in tensors)
-    if name == "_local_scalar_dense" or name in VALUE_SHAPED:
+    if name == "_local_scalar_dense" or name in VALUE_READ:
         return on_device
-    if name == "index":   # x[mask] with a boolean mask: the kept rows' count is a value
-        return on_device and any(i is not None and i.dtype == torch.bool for i in args[1])
+    if name in ("index", "index_put", "index_put_"):   # a mask's count is a value; a host index is copied
+        masks_or_host = [i.dtype in (torch.bool, torch.uint8) or i.device.type == "cpu" for i in args[1] if
+                         i is not None]
+        return args[0].device.type != "cpu" and any(masks_or_host)
     if name == "copy_":   # copy_(dst, src, non_blocking=False)
         blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         return blocking and (args[0].device.type == "cpu") != (args[1].device.type == "cpu")
@@ -239,7 +242,7 @@ def main(argv=None):
         if value is not None and not value > 0:
             p.error(f"{flag} must be positive, got {value}")
     args = bgpo.parse_args(rest)
-    if not 0 < bench.mixed <= 1 or updated_rows(args, bench.mixed) == 0:
+    if not 0 < bench.mixed <= 1 or round(bench.mixed * args.prompts_per_step) == 0:
         p.error(f"--mixed must be in (0, 1] and leave a group to update, got {bench.mixed}")
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
     if bench.graphs and (bench.compile or not cuda):

@@ -6,12 +6,13 @@ launches the same kernels at once. gpt-fast gets its decoding speed the same way
 "reduce-overhead" captures such a graph), but compile cannot trace a draw from a torch.Generator, which the
 sampler's Gumbel noise needs: this captures by hand.
 
-What makes the sampler capturable: every shape is fixed (top-k and scatter commit a fixed count a step) and
-nothing reads a device value on the host (lab.bench_step's sync count). A replay reads the weights where they
-are, so the optimizer's in-place updates reach it; the prompts are copied into the captured input, and the
-completions copied out. The generator is registered with the graph, so each replay draws the next random
-numbers, as the next eager call would: the graph's rollouts are the eager sampler's, bit for bit
-(test_commands.py checks it where CUDA is). CUDA only; bgpo.py samples eagerly until the GPU measures this.
+What makes the sampler capturable: every shape is fixed (top-k and scatter commit a fixed count a step)
+and nothing reads a device value on the host (a capture refuses an op that would). A replay reads the
+weights where they are, so the optimizer's in-place updates reach it; the prompts are copied into the
+captured input, and the completions copied out. The generator is registered with the graph, so each replay
+draws the next random numbers, as the next eager call would: the graph's rollouts are the eager sampler's,
+bit for bit (test_commands.py checks it where CUDA is). CUDA only; bgpo.py samples eagerly until the GPU
+measures this.
 """
 import torch
 
@@ -39,6 +40,7 @@ class GraphedSampler:
         """One eager call on a side stream first (CUDA's rule for a capture: the allocator and the kernels'
         first calls settle outside it), then the capture; the generator is set back before each, so the
         first replay draws what the first eager call would have."""
+        torch.cuda.synchronize(prompts.device)   # a graph replaced at a new shape: its replays are done
         self.prompts, state = prompts.clone(), self.generator.get_state()
         side = torch.cuda.Stream(prompts.device)
         side.wait_stream(torch.cuda.current_stream(prompts.device))

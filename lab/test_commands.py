@@ -208,6 +208,9 @@ def test_the_sync_count_says_when_the_host_waits_for_the_device():
              (aten.nonzero.default, (gpu,), {}, True),                   # the shape is a value
              (aten.index.Tensor, (gpu, [gpu > 0]), {}, True),            # x[mask]
              (aten.index.Tensor, (gpu, [gpu.long()]), {}, False),         # x[indices on the device]
+             (aten.index.Tensor, (gpu, [host.long()]), {}, True),         # x[indices on the host]: copied
+             (aten.index.Tensor, (host, [host.long()]), {}, False),
+             (aten.equal.default, (gpu, gpu), {}, True),                  # reads its answer inside
              (aten._to_copy.default, (gpu,), {"device": torch.device("cpu")}, True),        # y.cpu()
              (aten._to_copy.default, (host,), {"device": torch.device("meta")}, True),      # a.to(device)
              (aten._to_copy.default, (host,), {"device": torch.device("meta"), "non_blocking": True}, False),
