@@ -179,11 +179,12 @@ def main(argv=None):
     done.sort(key=lambda d: order.index(d[0]))
     samples = read_samples(os.path.join(args.out, "util.csv"))
     device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    how_run = ("Every command ran side by side (a dry run)." if args.dry_run
+               else "Phase 1 (three bench_step, countdown) ran alone; the rest side by side.")
     lines = [f"# GPU report: {device}", "",
              f"PyTorch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s in all "
-             f"(limit {args.minutes:g} min). Phase 1 (three bench_step, countdown) ran alone; "
-             "the rest side by side.", ""]
+             f"(limit {args.minutes:g} min). " + how_run, ""]
     for name, argv, log, code, began, ended in done:
         util = utilisation(samples, began, ended)
         status = "stopped at the time limit" if code is None else f"exit code {code}"

@@ -282,7 +282,8 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for shown in ("| ops: sampler update optim. other  total | syncs: sampler update optim. other | path",
                   "profile of one bgpo.py step", "held-out accuracy 0.0% -> ",
-                  " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest "):
+                  " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest ",
+                  "Every command ran side by side (a dry run)."):
         assert shown in report, (shown, report)
     memory_table = report[report.index("## bench-memory"):report.index("## torchrun")]
     assert " n_t | naive MiB" in memory_table and "torchrun_first_steps" not in memory_table, memory_table
