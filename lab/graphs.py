@@ -6,13 +6,13 @@ launches the same kernels at once. gpt-fast gets its decoding speed the same way
 "reduce-overhead" captures such a graph), but compile cannot trace a draw from a torch.Generator, which the
 sampler's Gumbel noise needs: this captures by hand.
 
-What makes the sampler capturable: every shape is fixed (top-k and scatter commit a fixed count a step)
-and nothing reads a device value on the host (a capture refuses an op that would). A replay reads the
-weights where they are, so the optimizer's in-place updates reach it; the prompts are copied into the
-captured input, and the completions copied out. The generator is registered with the graph, so each replay
-draws the next random numbers, as the next eager call would: the graph's rollouts are the eager sampler's,
-bit for bit (test_commands.py checks it where CUDA is). CUDA only; bgpo.py samples eagerly until the GPU
-measures this.
+What makes the sampler capturable: every shape is fixed (top-k and scatter commit a fixed count a step) and
+nothing reads a device value on the host (a capture refuses an op that would). A replay reads the weights
+where they are, so the optimizer's in-place updates reach it; the prompts are copied into the captured input,
+and the completions copied out. The generator is registered with the graph (by hand before PyTorch 2.14, by
+the capture itself since), so each replay draws the next random numbers, as the next eager call would: the
+graph's rollouts are the eager sampler's, bit for bit (test_commands.py checks it where CUDA is). CUDA only;
+bgpo.py samples eagerly until the GPU measures this.
 """
 import torch
 
@@ -49,7 +49,8 @@ class GraphedSampler:
         torch.cuda.current_stream(prompts.device).wait_stream(side)
         self.generator.set_state(state)
         self.graph = torch.cuda.CUDAGraph()
-        self.graph.register_generator_state(self.generator)   # each replay: the generator's next numbers
+        if torch.__version__ < (2, 14):   # from 2.14 a generator a capture draws from registers itself
+            self.graph.register_generator_state(self.generator)   # each replay: the generator's next numbers
         with torch.cuda.graph(self.graph):
             self.completions = self.sample(self.prompts)       # (B, L), the graph's output buffer
         self.generator.set_state(state)
@@ -57,7 +58,8 @@ class GraphedSampler:
 
     def __call__(self, prompts):
         if self.graph is None or prompts.shape != self.prompts.shape:
-            self.capture(prompts)
+            with torch.cuda.device(prompts.device):   # a capture records on the current device's streams
+                self.capture(prompts)
         self.prompts.copy_(prompts)
         self.graph.replay()
         return self.completions.clone()   # the next replay overwrites the buffer
