@@ -58,11 +58,14 @@ def step_flops(model, task, args, updated=None):
     forward = 2 * N + 4 * args.n_layer * T * C          # a token's forward pass
     return T * (B * task.gen_len + (B if updated is None else updated) * 3 * args.mc_samples) * forward
 
+def mixed_groups(args, mixed):
+    """How many of a step's groups have rewards that differ when a share `mixed` of them do."""
+    return round(mixed * args.prompts_per_step)
+
 def updated_rows(args, mixed):
     """The rows an update takes when a share `mixed` of the groups have rewards that differ: all of them
     without --skip-tied (a fixed shape), else the mixed groups' rows alone."""
-    groups = round(mixed * args.prompts_per_step)
-    return args.group_size * (groups if args.skip_tied else args.prompts_per_step)
+    return args.group_size * (mixed_groups(args, mixed) if args.skip_tied else args.prompts_per_step)
 
 # no kernel: allocation and bookkeeping; .item() counts only on a device's tensor (AdamW reads its CPU steps)
 NO_KERNEL = {"detach", "lift_fresh", "empty", "empty_strided", "empty_like", "_record_function_enter_new",
@@ -132,7 +135,7 @@ def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sam
             y = sampler(x)
             rewards = torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
     r = torch.rand(B // G, G, generator=generator)     # random rewards never tie: a mixed group each
-    r[round(mixed * (B // G)):] = 0.0                   # but the last groups' rewards tie: A = 0
+    r[mixed_groups(args, mixed):] = 0.0                 # but the last groups' rewards tie: A = 0
     A = bgpo.group_advantages(r.flatten(), G)
     mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
     kept = torch.arange(B)[A != 0] if args.skip_tied else torch.arange(B)   # as run_rl keeps them
@@ -242,7 +245,7 @@ def main(argv=None):
         if value is not None and not value > 0:
             p.error(f"{flag} must be positive, got {value}")
     args = bgpo.parse_args(rest)
-    if not 0 < bench.mixed <= 1 or round(bench.mixed * args.prompts_per_step) == 0:
+    if not 0 < bench.mixed <= 1 or mixed_groups(args, bench.mixed) == 0:
         p.error(f"--mixed must be in (0, 1] and leave a group to update, got {bench.mixed}")
     cuda, task = args.device.startswith("cuda"), get_task(args.task)
     if bench.graphs and (bench.compile or not cuda):
