@@ -62,6 +62,8 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "dyn": ("lab.rl", ["--dynamic-batches", "3"]),
     "rand-order": ("lab.rl", ["--remasking", "random", "--temperature", "1.0"]),
     "hint": ("lab.rl", ["--hints", "inpaint"]),
+    "lr2e-4": ("lab.rl", ["--rl-lr", "2e-4"]),                   # twice the RL learning rate
+    "lr3e-4": ("lab.rl", ["--rl-lr", "3e-4"]),                   # three times
     "sft-hints": ("lab.rl", ["--hints", "solution"]),
 }
 
