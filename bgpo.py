@@ -318,10 +318,9 @@ def run_sft(args, task):
         seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
-        val, test = (evaluate(model, task, prompts, args) for prompts in (val_prompts, held_out(task, args)))
+        val = evaluate(model, task, val_prompts, args)   # the held-out problems: first scored at RL step 0
         curve.append({"step": step, "loss": float(sum(losses)) / len(losses), "val_reward": val["reward"],
-                      "val_accuracy": val["accuracy"], "accuracy": test["accuracy"], "reward": test["reward"],
-                      "seconds": seconds})
+                      "val_accuracy": val["accuracy"], "seconds": seconds})
         losses, improved = [], best is None or val["reward"] > best["val_reward"]
         if improved:
             best, best_weights = curve[-1], {k: v.clone() for k, v in model.state_dict().items()}
@@ -329,14 +328,14 @@ def run_sft(args, task):
             save_checkpoint(sft_path(args), task, model.config, stage="sft", step=best["step"],
                             model=best_weights, curve=curve)
         tqdm.write(f"SFT step {step:5d} | loss {curve[-1]['loss']:.4f} | validation reward "
-                   f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | held-out accuracy "
-                   f"{test['accuracy']:5.1%} | {seconds:.0f} s" + (" | best so far" if improved else ""))
+                   f"{val['reward']:.3f} (accuracy {val['accuracy']:5.1%}) | {seconds:.0f} s"
+                   + (" | best so far" if improved else ""))
         if step - best["step"] >= SFT_PATIENCE * args.sft_eval_every and step >= SFT_MIN_STEPS[task.name]:
             print(f"SFT stops: no better validation reward for {SFT_PATIENCE} evaluations")
             break
     model.load_state_dict(best_weights)
-    print(f"kept the SFT model of step {best['step']} (validation reward {best['val_reward']:.3f}, "
-          f"held-out accuracy {best['accuracy']:.1%}): {sft_path(args)}")
+    print(f"kept the SFT model of step {best['step']} (validation reward {best['val_reward']:.3f}): "
+          f"{sft_path(args)}")
     return model
 
 @torch.no_grad()

@@ -26,9 +26,9 @@ def curves_figure(runs):
                        {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
 
 def stages_figure(sft_curve, rl_records, control=None):
-    """SFT, then RL, against training seconds: the SFT checkpoint's curve (validation and held-out greedy
-    accuracy), and from the selected SFT model on, the RL run's held-out accuracy beside the control's
-    (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records: log.jsonl;
+    """SFT, then RL, against training seconds: the SFT checkpoint's curve (greedy validation accuracy: SFT
+    scores no held-out problem), and from the selected SFT model on, the RL run's held-out accuracy beside
+    the control's (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records: log.jsonl;
     control: control.jsonl, if the control was run."""
     best = max(sft_curve, key=lambda c: c["val_reward"])      # the first best, the one SFT keeps
     t0, rl, seconds = best["seconds"], [], 0.0
@@ -38,8 +38,6 @@ def stages_figure(sft_curve, rl_records, control=None):
             rl.append((t0 + seconds, r["accuracy"]))
     lines = [{"label": "SFT: validation accuracy", "x": [c["seconds"] for c in sft_curve],
               "y": [c["val_accuracy"] for c in sft_curve], "style": "--", "alpha": 0.6},
-             {"label": "SFT: held-out accuracy", "x": [c["seconds"] for c in sft_curve],
-              "y": [c["accuracy"] for c in sft_curve], "style": "o-"},
              {"label": f"SFT + RL (from SFT step {best['step']})", "x": [x for x, _ in rl],
               "y": [y for _, y in rl], "style": "o-"}]
     if control:

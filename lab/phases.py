@@ -1,14 +1,14 @@
 """
-Where the seconds of one `python bgpo.py` go: bgpo.main run as it is, with the functions it calls wrapped by a
-timer (nothing else changes; the run's console and files are its own), then a table by phase.
+Where the seconds of one `python bgpo.py` go: bgpo.main run as it is, the functions it calls wrapped by a
+timer (nothing else changes: the run prints and writes what it always does), then a table by phase.
 
     python -m lab.phases [bgpo.py flags]          # e.g. --seed 10 --out-dir /tmp/phases
 
 The phases: SFT's training steps (run_sft less its evaluations); SFT's greedy evaluations, on the validation
-problems (which choose the model kept) and on the held-out ones (shown beside them); RL's rollouts
-(sample_rollouts: the sampler and the verifier), its update (bgpo_backward, or the naive objective's forward and
-backward), its held-out evaluations and the rest of its steps (advantages, MC draws, the gradient clip, AdamW,
-the log); the final paired comparison (both models on the held-out problems); and what is left (imports,
+problems (they choose the model kept) and on held-out ones (bgpo.py before this command scored them too);
+RL's rollouts (sample_rollouts: the sampler and the verifier), its update (bgpo_backward, or naive_loss and
+its backward), its held-out evaluations and the rest of its steps (advantages, masked copies, the gradient
+clip, AdamW, the log); the final paired comparison (both models on the held-out problems); the rest (setup,
 the unmasking shown, checkpoints).
 """
 import collections
@@ -17,56 +17,48 @@ import time
 
 import bgpo
 
-seconds, calls, stage = collections.Counter(), collections.Counter(), ["start"]
-
-def timed(module, name, label):
-    """Replace module.name by a wrapper that adds its seconds to seconds[label(...)]."""
-    inner = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            key = label(*args, **kwargs) if callable(label) else label
-            seconds[key] += time.perf_counter() - t0
-            calls[key] += 1
-    setattr(module, name, wrapper)
-
-def staged(name):   # run_sft and run_rl: set the stage their evaluations are counted under
-    inner = getattr(bgpo, name)
-
-    def wrapper(*args, **kwargs):
-        stage[0] = name
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            seconds[name] += time.perf_counter() - t0
-            stage[0] = "final"
-    setattr(bgpo, name, wrapper)
-
-def evaluation(model, task, prompts, args, n_show=3):
-    return f"{stage[0]}: " + ("held-out" if prompts is bgpo.held_out(task, args) else "validation")
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    held_out = bgpo.held_out
-    cache = {}
-    bgpo.held_out = lambda task, args: cache.setdefault((task.name, args.eval_size), held_out(task, args))
-    timed(bgpo, "evaluate", evaluation)
-    timed(bgpo, "sample_rollouts", "run_rl: rollouts")
-    timed(bgpo, "bgpo_backward", "run_rl: update")
-    timed(bgpo, "naive_loss", "run_rl: update")
-    staged("run_sft")
-    staged("run_rl")
+    seconds, calls, stage = collections.Counter(), collections.Counter(), ["setup"]
+    inner = {name: getattr(bgpo, name) for name in
+             ("evaluate", "sample_rollouts", "bgpo_backward", "naive_loss", "run_sft", "run_rl", "held_out")}
+
+    def timed(name, key):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            if name in ("run_sft", "run_rl"):
+                stage[0] = name
+            try:
+                return inner[name](*args, **kwargs)
+            finally:
+                label = key(*args) if callable(key) else key
+                seconds[label] += time.perf_counter() - t0
+                calls[label] += 1
+                if name in ("run_sft", "run_rl"):
+                    stage[0] = "final"
+        return wrapper
+
+    held_out = {}   # the same list object for each call, so that an evaluation of it can be told apart
+    patches = {"held_out": lambda task, args: held_out.setdefault(task.name, inner["held_out"](task, args)),
+               "evaluate": timed("evaluate", lambda model, task, prompts, args: f"{stage[0]}: " + (
+                   "held-out" if prompts is held_out.get(task.name) else "validation")),
+               "sample_rollouts": timed("sample_rollouts", "run_rl: rollouts"),
+               "bgpo_backward": timed("bgpo_backward", "run_rl: update"),
+               "naive_loss": timed("naive_loss", "run_rl: update"),
+               "run_sft": timed("run_sft", "run_sft"), "run_rl": timed("run_rl", "run_rl")}
     t0 = time.perf_counter()
-    bgpo.main(argv)
+    try:
+        for name, wrapper in patches.items():
+            setattr(bgpo, name, wrapper)
+        bgpo.main(argv)
+    finally:
+        for name, function in inner.items():
+            setattr(bgpo, name, function)
     total = time.perf_counter() - t0
     rows = [("SFT: training steps", seconds["run_sft"] - seconds["run_sft: validation"]
              - seconds["run_sft: held-out"]),
             ("SFT: validation evaluations", seconds["run_sft: validation"]),
-            ("SFT: held-out evaluations (shown only)", seconds["run_sft: held-out"]),
+            ("SFT: held-out evaluations", seconds["run_sft: held-out"]),
             ("RL: rollouts (sampler + verifier)", seconds["run_rl: rollouts"]),
             ("RL: update (forward + backward)", seconds["run_rl: update"]),
             ("RL: held-out evaluations", seconds["run_rl: held-out"]),
@@ -77,8 +69,8 @@ def main(argv=None):
     print(f"\nwhere the {total:.1f} s went ({bgpo.torch.get_num_threads()} threads):")
     for name, s in rows:
         print(f"  {name:<48} {s:7.1f} s {s / total:6.1%}")
-    print("  calls: " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
-    return rows
+    print("  calls: " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items()) if ":" in k))
+    return dict(rows), calls
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,7 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, graphs, negatives, objectives, offpolicy, rl, sampler, stages)
+                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 from tiny_dllm import generate
@@ -315,14 +315,14 @@ def test_offline_dtrpo_needs_solved_and_unsolved_pairs_and_says_so_in_one_line(t
     assert e.value.code == 2 and "give no solved/unsolved pair" in err and err.count("\n") == 1, err
 
 def test_stages_figure_starts_rl_and_the_control_where_sft_kept_its_model(tmp_path):
-    sft = [{"step": s, "seconds": 10.0 * s, "val_reward": v, "val_accuracy": v, "accuracy": v / 2}
+    sft = [{"step": s, "seconds": 10.0 * s, "val_reward": v, "val_accuracy": v / 2}
            for s, v in ((1, 0.1), (2, 0.3), (3, 0.3), (4, 0.2))]  # kept: step 2, the first best, at 20 s
     rl_log = [{"step": 0, "accuracy": 0.15}, {"step": 1, "reward": 0.1, "seconds": 4.0},
               {"step": 2, "reward": 0.2, "seconds": 6.0, "accuracy": 0.25}]
     control = [{"step": 2, "seconds": 0.0, "accuracy": 0.15}, {"step": 9, "seconds": 10.5, "accuracy": 0.05}]
     figure = figures.stages_figure(sft, rl_log, control)
-    sft_val, sft_test, rl_line, control_line = figure["panels"][0]["lines"]
-    assert sft_test["x"] == [10.0, 20.0, 30.0, 40.0] and sft_test["y"] == [0.05, 0.15, 0.15, 0.1]
+    sft_val, rl_line, control_line = figure["panels"][0]["lines"]
+    assert sft_val["x"] == [10.0, 20.0, 30.0, 40.0] and sft_val["y"] == [0.05, 0.15, 0.15, 0.1]
     assert rl_line["x"] == [20.0, 30.0] and rl_line["y"] == [0.15, 0.25], (
         "RL's evaluations at its training seconds after SFT's")
     assert control_line["x"] == [20.0, 30.5] and "step 2" in rl_line["label"]
@@ -436,3 +436,15 @@ def test_lab_rl_resume_continues_the_run_that_was_never_interrupted(tmp_path, mo
     logs = [figures.read_log(tmp_path / name / "log.jsonl") for name in ("straight", "interrupted")]
     assert [{k: v for k, v in r.items() if "seconds" not in k} for r in logs[0]] == \
            [{k: v for k, v in r.items() if "seconds" not in k} for r in logs[1]]
+
+def test_phases_counts_each_call_of_the_run_and_its_seconds_add_up_to_the_whole(tmp_path, capsys):
+    argv = tiny_argv(tmp_path, "--rl-steps", "3", "--eval-every", "2")
+    rows, calls = phases.main(argv)
+    log = figures.read_log(str(tmp_path / bgpo.parse_args(argv).run_name / "log.jsonl"))
+    assert calls["run_rl: rollouts"] == 3 and calls["run_rl: update"] == sum(
+        r.get("mixed_groups", 0) > 0 for r in log), calls   # an update where some group's rewards differ
+    assert calls["run_rl: held-out"] == 3, "step 0, step 2 and the last step"
+    assert calls["final: held-out"] == 2 and calls["run_sft: held-out"] == 0, calls
+    assert calls["run_sft: validation"] == 2, "SFT steps 50 and 100"
+    assert all(s >= 0 for s in rows.values()) and "where the" in capsys.readouterr().out
+    assert bgpo.evaluate.__module__ == "bgpo", "the timers are taken off again"
