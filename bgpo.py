@@ -547,8 +547,8 @@ def make_parser():
     rl("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each; more on --resume: longer")
     rl("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     rl("--group-size", type=int, default=8, help="rollouts per prompt, G")
-    rl("--eval-every", type=int, default=25, help="RL steps between held-out evaluations and checkpoints")
-    rl("--eval-size", type=int, default=500, help="held-out problems (the task's test split)")
+    rl("--eval-every", type=int, default=50, help="RL steps between held-out evaluations and checkpoints")
+    rl("--eval-size", type=int, default=1000, help="held-out problems (the task's test split)")
     return p
 
 def check_args(p, args):
