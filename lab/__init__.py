@@ -9,9 +9,10 @@ The lab: everything tiny-bgpo has learned to measure beyond the tutorial (bgpo.p
   prior and early stop, and the lab's rollouts and evaluation.
 - rl.py: a copy of bgpo.py's RL loop with those objectives, the lab's options and its diagnostics.
 - control.py: the control for RL, SFT continued for the RL run's training time.
-- dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), stages.py, offpolicy.py, radd.py: dTRPO
-  as published, every objective's memory, several runs in one figure, one tutorial run's SFT and RL stages
-  with its control, how far off-policy the paper's second mini-batch is, RADD's cached sampler.
+- dtrpo_offline.py, bench_memory.py, compare.py (with figures.py), stages.py, phases.py, offpolicy.py,
+  radd.py: dTRPO as published, every objective's memory, several runs in one figure, one tutorial run's SFT
+  and RL stages with its control, where one tutorial run's seconds go, how far off-policy the paper's second
+  mini-batch is, RADD's cached sampler.
 - cli.py: the lab's command line: bgpo.py's flags and the lab's, whose defaults are bgpo.py's.
 README.md in this folder has what each measured; test_*.py its claims (helpers in testing.py), run with
 the tutorial's tests.

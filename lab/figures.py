@@ -28,8 +28,8 @@ def curves_figure(runs):
 def stages_figure(sft_curve, rl_records, control=None):
     """SFT, then RL, against training seconds: the SFT checkpoint's curve (greedy validation accuracy: SFT
     scores no held-out problem), and from the selected SFT model on, the RL run's held-out accuracy beside
-    the control's (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records: log.jsonl;
-    control: control.jsonl, if the control was run."""
+    the control's (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records:
+    log.jsonl; control: control.jsonl, if the control was run."""
     best = max(sft_curve, key=lambda c: c["val_reward"])      # the first best, the one SFT keeps
     t0, rl, seconds = best["seconds"], [], 0.0
     for r in rl_records:
