@@ -296,7 +296,7 @@ def run_sft(args, task):
     model = make_model(task, args)
     print(f"model: {model.num_params():,} parameters, {args.n_layer} layers, n_embd {args.n_embd} | SFT on "
           + (f"{args.demos} demonstrations" if args.demos else "fresh demonstrations every step"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed + 1_000_000 * args.rank)  # a stream per process
     noise = device_noise(args, generator)   # on CUDA the batches' rows and masks are drawn on the GPU
     batches = sft_batches(task, args, noise)
@@ -312,7 +312,7 @@ def run_sft(args, task):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         [loss] = average_gradients(model, args, loss.detach())   # no .item(): no wait for the GPU a step
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss)
         seconds += time.time() - t0
@@ -360,8 +360,9 @@ def run_rl(args, task, model):
     loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
     step's log record, and every --eval-every RL steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
-    # foreach: one op per kind for all the parameters, a dozen GPU kernels an RL step (CPU: the same numbers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0, foreach=True)
+    # PyTorch's default: on CUDA its foreach kernels (a dozen an RL step), elsewhere a loop over the parameters
+    # (the same numbers on the CPU); an explicit foreach=True raises on Apple's MPS, which has no such kernels
+    optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
     noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, masked copies
     run_dir = os.path.join(args.out_dir, args.run_name)
@@ -427,7 +428,7 @@ def run_rl(args, task, model):
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
                     raise RunError(f"loss is {loss} at RL step {step}; stopped. Last good checkpoint: "
                                    + (f"{ckpt_path} (step {saved})" if saved else "none yet"))
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 losses.append(loss)
         rewards = torch.cat(everyone(rewards, args))   # the log is over every process's rollouts

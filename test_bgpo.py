@@ -426,6 +426,25 @@ def test_under_bf16_every_forward_pass_runs_in_autocast_and_no_optimizer_step_do
     assert len(steps) == 4 + 2 and not any(steps), steps          # SFT's 4 steps, RL's 2
     assert len(forwards) > 20 and all(forwards), f"{forwards.count(False)} of {len(forwards)} in float32"
 
+def test_no_optimizer_or_gradient_clip_asks_for_foreach_kernels_which_apple_mps_lacks(tmp_path, monkeypatch):
+    """PyTorch's clip_grad_norm_ raises on MPS tensors when given foreach=True (torch/nn/utils/clip_grad.py:
+    "can't use the foreach API on mps tensors"), as _device_has_foreach_support lists no "mps". Left at None,
+    PyTorch picks its foreach kernels where the device has them and a loop elsewhere. Over a tiny SFT + RL run,
+    no call asks for them."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+    assert not _device_has_foreach_support(torch.device("mps")), "MPS has foreach kernels now"
+    asked = []
+    adamw, clip = torch.optim.AdamW.__init__, torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", lambda self, *a, foreach=None, **k: asked.append(
+        ("AdamW", foreach)) or adamw(self, *a, foreach=foreach, **k))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, foreach=None, **k: asked.append(
+        ("clip_grad_norm_", foreach)) or clip(*a, foreach=foreach, **k))
+    real = bgpo.sample_rollouts
+    monkeypatch.setattr(bgpo, "sample_rollouts", lambda *a: (*real(*a)[:2], torch.arange(8) % 2.0))  # signal
+    bgpo.main(tiny_argv(tmp_path, "--sft-steps", "2", "--sft-eval-every", "2"))
+    assert sorted(set(asked)) == [("AdamW", None), ("clip_grad_norm_", None)], asked
+    assert len(asked) == 2 + 2 + 2, "SFT's and RL's optimizer, 2 SFT steps' clips, 2 RL steps' clips"
+
 def test_equivalence_naive_gradient_is_the_sum_of_one_backward_per_mc_sample_on_policy():
     """On-policy every d_j = 0, so grad R_hat = (A / n_t) sum_j grad l_j / L: the naive objective's gradient
     is n_t separate backward passes, one per MC sample, added up. Written out by hand here, in a loop."""

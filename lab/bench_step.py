@@ -161,6 +161,7 @@ def time_path(task, args, path, bench):
     torch.manual_seed(args.seed)
     model = bgpo.make_model(task, args)
     step_model = torch.compile(model) if bench.compile and path == "bgpo.py" else model
+    # foreach=True: what PyTorch's default (bgpo.py's) picks on CUDA, so that the CPU counts the GPU's ops
     optimizer = torch.optim.AdamW(model.parameters(), lr=bgpo.RL_LR, weight_decay=0.0, foreach=not old)
     generator = torch.Generator().manual_seed(args.seed + 1)
     new_gpu_path = cuda and path == "bgpo.py"
