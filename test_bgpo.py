@@ -428,9 +428,9 @@ def test_under_bf16_every_forward_pass_runs_in_autocast_and_no_optimizer_step_do
 
 def test_no_optimizer_or_gradient_clip_asks_for_foreach_kernels_which_apple_mps_lacks(tmp_path, monkeypatch):
     """PyTorch's clip_grad_norm_ raises on MPS tensors when given foreach=True (torch/nn/utils/clip_grad.py:
-    "can't use the foreach API on mps tensors"), as _device_has_foreach_support lists no "mps". Left at None,
-    PyTorch picks its foreach kernels where the device has them and a loop elsewhere. Over a tiny SFT + RL run,
-    no call asks for them."""
+    "can't use the foreach API on mps tensors"), as _device_has_foreach_support lists no "mps". Left at
+    None, PyTorch picks its foreach kernels where the device has them and a loop elsewhere. Over a tiny SFT +
+    RL run, no call asks for them."""
     from torch.utils._foreach_utils import _device_has_foreach_support
     assert not _device_has_foreach_support(torch.device("mps")), "MPS has foreach kernels now"
     asked = []
