@@ -167,8 +167,7 @@ TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is 
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 mc_chunk=8, skip_tied=False)}
 
-class RunError(ValueError):  # a missing or wrong checkpoint, a diverged run: one line and exit code 2
-    pass
+class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
 def everyone(obj, args):   # data parallel (torchrun): args.world processes, a share of every batch each
     """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
@@ -360,8 +359,7 @@ def run_rl(args, task, model):
     loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
     step's log record, and every --eval-every RL steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
-    # PyTorch's default: on CUDA its foreach kernels (a dozen an RL step), elsewhere a loop over the parameters
-    # (the same numbers on the CPU); an explicit foreach=True raises on Apple's MPS, which has no such kernels
+    # foreach by default: its kernels on CUDA, a loop on the CPU (same numbers); =True fails on Apple's MPS
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
     noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, masked copies
@@ -622,7 +620,8 @@ def describe_run(args):
     return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
             "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
 
-NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt")
+NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
+               "mc_chunk")   # flags that change no number of a run (--mc-chunk: but float sums)
 
 def refuse_to_overwrite(args):
     """A folder holding a run is continued (--resume, with its run.json's flags but NOT_RESULTS; a larger
@@ -639,6 +638,8 @@ def refuse_to_overwrite(args):
               for name in sorted(set(vars(make_parser().parse_args([]))) - set(mutable))
               if name in made and made[name] != getattr(args, name)]
     if args.resume and not differ:
+        if made.get("mc_chunk", args.mc_chunk) != args.mc_chunk:
+            print(f"--mc-chunk {args.mc_chunk}, where the run had {made['mc_chunk']}: in other memory")
         return
     raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
                    + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")
@@ -671,7 +672,13 @@ def main(argv=None):
     model = make_model(task, args) if args.resume else sft_model(args, task)  # --resume: run_rl loads weights
     if args.stage == "sft":
         return model
-    history = run_rl(args, task, model)   # the records with a held-out evaluation: step 0 is the SFT model
+    try:
+        history = run_rl(args, task, model)   # its records with a held-out evaluation (step 0: SFT's)
+    except torch.OutOfMemoryError:   # the remedies that work from where the run stopped
+        chunk, ckpt = args.mc_chunk // 2, os.path.join(args.out_dir, args.run_name, "ckpt.pt")
+        again = "--resume" if os.path.isfile(ckpt) else "--overwrite"   # no checkpoint yet: start it again
+        less = f"{again} --mc-chunk {chunk} runs it in less memory, or " if chunk else ""
+        raise RunError(f"out of GPU memory: {less}--size cpu runs the CPU size") from None
     before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
                      for m in (load_model(sft_path(args), task, args), model))
     gain, half = paired_gain(before, after)
@@ -688,12 +695,13 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except (RunError, torch.OutOfMemoryError) as e:  # a wrong checkpoint, a diverged run, the GPU's memory
-        print("bgpo.py: error: " + (str(e) if isinstance(e, RunError) else "out of GPU memory: a smaller "
-              "--mc-chunk or --size cpu; --resume continues from the last checkpoint"), file=sys.stderr)
+    except RunError as e:
+        print(f"bgpo.py: error: {e}", file=sys.stderr)
         code = 2
     if dist.is_initialized():
-        # Leave together: a process tearing down its connections while rank 0 writes can abort it (gloo)
-        dist.barrier()
+        # Leave together (on gloo a process tearing down its connections while rank 0 writes can abort it),
+        # but not after an error: the others may wait in a collective (torchrun then stops them)
+        if code == 0:
+            dist.barrier()
         dist.destroy_process_group()
     sys.exit(code)

@@ -985,29 +985,36 @@ def test_size_auto_is_the_gpu_size_on_cuda_and_the_cpu_size_elsewhere(monkeypatc
     explicit, cpu = (bgpo.parse_args(["--device", "cpu", *size]) for size in (["--size", "gpu"], []))
     assert (explicit.size, cpu.size) == ("gpu", "cpu")
 
-def test_running_out_of_gpu_memory_exits_2_with_the_remedy_and_the_run_resumes(tmp_path, monkeypatch, capsys):
-    """A torch.OutOfMemoryError (simulated on the CPU, in the third RL step's rollouts) ends the script with
-    one line naming the remedies (--mc-chunk, --size cpu, --resume) and exit code 2; the last checkpoint (RL
-    step 2) is whole, and --resume finishes the run from it."""
-    argv = tiny_argv(tmp_path, "--rl-steps", "3", "--sft-steps", "2", "--sft-eval-every", "2")
-    assert run_script(argv + ["--stage", "sft"], monkeypatch, capsys)[0] == 0   # a script: its own SFT_BATCH
+@pytest.mark.parametrize("at_step, after", [(1, "--overwrite"), (3, "--resume")])
+def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(tmp_path, monkeypatch, capsys,
+                                                                               at_step, after):
+    """A torch.OutOfMemoryError (simulated on the CPU in an RL step's rollouts) at the GPU size ends the run
+    with one line and exit code 2. Before the first checkpoint (step 2 here) it names --overwrite, after it
+    --resume, each with half the --mc-chunk; then --size cpu. Each remedy, run as printed, finishes a run."""
+    argv = tiny_argv(tmp_path, "--size", "gpu", "--rl-steps", "3", "--eval-every", "2", "--sft-steps", "2",
+                     "--sft-eval-every", "2", "--stage", "all")
     real, rollouts = tiny_dllm.generate, []
 
-    def out_of_memory_at_step_3(*args, **kwargs):
+    def out_of_memory(*args, **kwargs):
         rollouts.append(kwargs.get("temperature", 0) > 0)   # the evaluations are greedy
-        if sum(rollouts) == 3:
+        if sum(rollouts) == at_step and rollouts[-1]:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_dllm, "generate", out_of_memory_at_step_3)   # what bgpo.py imports as a script
-    code, err = run_script(argv + ["--stage", "rl"], monkeypatch, capsys)
+    monkeypatch.setattr(tiny_dllm, "generate", out_of_memory)   # what bgpo.py imports as a script
+    code, err = run_script(argv, monkeypatch, capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert all(remedy in err for remedy in ("--mc-chunk", "--size cpu", "--resume")), err
-    run = tmp_path / "arithmetic_bgpo_nt4_seed0"
-    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 2
+    assert f"{after} --mc-chunk 4 runs it in less memory, or --size cpu runs the CPU size" in err, err
     monkeypatch.setattr(tiny_dllm, "generate", real)
-    assert run_script(argv + ["--stage", "rl", "--resume"], monkeypatch, capsys)[0] == 0
-    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 3
+    run = tmp_path / "arithmetic_bgpo_nt4_seed0_gpu"
+    cpu_size = run.with_name("arithmetic_bgpo_nt4_seed0")
+    for remedy, folder in (([after, "--mc-chunk", "4"], run), (["--size", "cpu"], cpu_size)):
+        monkeypatch.setattr(sys, "argv", ["bgpo.py", *argv, *remedy])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(bgpo.__file__, run_name="__main__")
+        assert e.value.code == 0 and torch.load(folder / "ckpt.pt", weights_only=True)["step"] == 3, remedy
+        said = "--mc-chunk 4, where the run had 8: in other memory" in capsys.readouterr().out
+        assert said == (remedy[0] == "--resume"), f"{remedy}: a resume says its other --mc-chunk"
 
 def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """bgpo.py --bench-memory: BGPO's activation memory stays flat while the naive objective's grows, and a
@@ -1339,6 +1346,37 @@ def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(t
         err = (tmp_path / f"stderr{rank}").read_text()
         assert process.exitcode == 2 and err.startswith("bgpo.py: error: no checkpoint at"), (rank, err)
         assert err.count("\n") == 1 and "terminate called" not in err, (rank, err[-2000:])
+
+def out_of_memory_process(rank, port, argv, stderr_path):
+    """script_process, but process 1 runs out of GPU memory (simulated) in its first RL step's rollouts."""
+    real = tiny_dllm.generate
+
+    def generate(*args, **kwargs):
+        if rank == 1 and kwargs.get("temperature", 0) > 0:   # the evaluations are greedy
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+    tiny_dllm.generate = generate   # what bgpo.py imports as a script
+    script_process(rank, port, argv, stderr_path)
+
+def test_out_of_memory_on_one_process_ends_both_without_hanging(tmp_path):
+    """Process 1 alone runs out of memory while process 0 goes on to the update's all_reduce: process 1 says
+    so in one line and leaves without waiting for the others (a barrier there would not match process 0's
+    collective); process 0's collective then fails. Both exit non-zero, in seconds."""
+    port = free_port()
+    argv, context = DP_ARGV + ["--out-dir", str(tmp_path)], processes_context()
+    processes = [context.Process(target=out_of_memory_process, args=(rank, port, argv, tmp_path / f"err{rank}"))
+                 for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for process in processes:
+        process.kill()
+    assert not hung, f"processes {hung} still running after 60 s"
+    err = (tmp_path / "err1").read_text()
+    assert processes[1].exitcode == 2 and err.startswith("bgpo.py: error: out of GPU memory"), err
+    assert processes[0].exitcode not in (0, None), (tmp_path / "err0").read_text()[-2000:]
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("extra, message", [
