@@ -34,7 +34,7 @@ import tiny_dllm
 from bgpo import (bgpo_backward, bgpo_bound, draw_mc_samples, elbo_terms, group_advantages, naive_loss,
                   naive_objective)
 from tasks import TOKENIZER, get_task
-from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
+from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, count_offsets, forward_process, generate,
                        masked_log_likelihood, sft_loss)
 
 TASK_NAMES = ["arithmetic", "countdown", "sudoku"]
@@ -295,6 +295,15 @@ def test_stratified_draw_masks_at_least_one_token_and_spreads_counts():
     assert torch.equal(mc.weight, 8.0 / k)
     k = draw_mc_samples(50, 8, 4, torch.Generator().manual_seed(0)).mask.sum(-1)
     assert ((k.roll(-1, 1) - k) % 8 == 2).all(), "4 samples over L=8: counts 2 apart, cyclically"
+
+def test_count_offsets_round_half_to_even_in_integers_as_a_reciprocal_would_not():
+    """count_offsets(L, M) against Python's round(j L / M) (a correctly rounded quotient, so exact at halves)
+    for every L, M < 130; and the float form it replaced, computed as CUDA divides by a host number (times
+    its inverse): that one misses at L 3, M 98, j 49, where j L / M = 1.5 rounds to 2."""
+    for L, M in itertools.product(range(1, 130), repeat=2):
+        assert count_offsets(L, M).tolist() == [round(j * L / M) for j in range(M)], (L, M)
+    by_inverse = (torch.arange(98, dtype=torch.float64) * 3 * (1 / 98)).round().long()
+    assert by_inverse[49] == 1 and count_offsets(3, 98)[49] == 2 == round(49 * 3 / 98)
 
 def test_each_stratified_count_is_uniform_where_llada_rounding_is_not():
     """Pooled law of the n_t mask counts, for every L <= 16 and n_t in {1..6, 8, 16}, two ways: this code's
@@ -1364,7 +1373,7 @@ def test_out_of_memory_on_one_process_ends_both_without_hanging(tmp_path):
     collective); process 0's collective then fails. Both exit non-zero, in seconds."""
     port = free_port()
     argv, context = DP_ARGV + ["--out-dir", str(tmp_path)], processes_context()
-    processes = [context.Process(target=out_of_memory_process, args=(rank, port, argv, tmp_path / f"err{rank}"))
+    processes = [context.Process(target=out_of_memory_process, args=(rank, port, argv, tmp_path / f"e{rank}"))
                  for rank in (0, 1)]
     for process in processes:
         process.start()
@@ -1374,9 +1383,9 @@ def test_out_of_memory_on_one_process_ends_both_without_hanging(tmp_path):
     for process in processes:
         process.kill()
     assert not hung, f"processes {hung} still running after 60 s"
-    err = (tmp_path / "err1").read_text()
+    err = (tmp_path / "e1").read_text()
     assert processes[1].exitcode == 2 and err.startswith("bgpo.py: error: out of GPU memory"), err
-    assert processes[0].exitcode not in (0, None), (tmp_path / "err0").read_text()[-2000:]
+    assert processes[0].exitcode not in (0, None), (tmp_path / "e0").read_text()[-2000:]
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("extra, message", [

@@ -126,6 +126,14 @@ def mask_by_count(k, L, generator=None):
     ranks = scores.argsort(dim=1).argsort(dim=1)  # a uniformly random permutation per row
     return ranks < k[:, None]
 
+def count_offsets(L, M, device="cpu"):
+    """round(j L / M) for j = 0..M-1, halves to even as Python's round, in integers: the same on every device
+    (CUDA divides a float by a host number as a multiplication by its inverse, which can turn 1.5 into
+    1.4999999999999998), and made there, with no copy from the host. (M,) long."""
+    jL = torch.arange(M, device=device) * L
+    q, r = jL // M, jL % M
+    return q + ((2 * r > M) | ((2 * r == M) & (q % 2 == 1))).long()
+
 def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratified"):
     """n_t masked copies of each completion: (B, M, L) bool masks and (B, M) weights 1/t, in
     torch's default dtype. Each copy alone is an unbiased one-copy estimate of the ELBO (Eq. 4).
@@ -147,9 +155,7 @@ def forward_process(batch_size, gen_len, n_t=1, generator=None, scheme="stratifi
     device = "cpu" if generator is None else generator.device      # draws are made where the generator is
     if scheme == "stratified":
         k0 = torch.randint(1, L + 1, (B, 1), generator=generator, device=device)
-        # round(j L / M), halves to even as Python's round, made where k0 is: no copy from the host
-        offsets = (torch.arange(M, dtype=torch.float64, device=device) * L / M).round().long()   # (M,)
-        k = (k0 - 1 + offsets) % L + 1                                                           # (B, M)
+        k = (k0 - 1 + count_offsets(L, M, device)) % L + 1                                     # (B, M)
         return mask_by_count(k.flatten(), L, generator).view(B, M, L), L / k.to(torch.get_default_dtype())
     if scheme == "iid":
         t = 1.0 - torch.rand(B, M, generator=generator, device=device)  # in (0, 1]: never divide by zero
