@@ -169,8 +169,7 @@ SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_s
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
-def everyone(obj, args):   # data parallel (torchrun): args.world processes, a share of every batch each
-    """[obj of process 0, obj of process 1, ...]: what every process has, gathered on every process."""
+def everyone(obj, args):   # data parallel (torchrun): [obj of process 0, obj of process 1, ...] on every one
     gathered = [obj] * args.world
     if args.world > 1:
         dist.all_gather_object(gathered, obj)
@@ -197,9 +196,8 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
 def autocast(args):
     """With --dtype bfloat16, nanoGPT's bf16 autocast (logits come back float32). It casts each weight once a
     region and keeps the cast: a region holds a phase whose weights do not move, never an optimizer step."""
-    if args.dtype != "bfloat16":
-        return contextlib.nullcontext()
-    return torch.autocast(args.device.split(":")[0], torch.bfloat16)
+    bf16 = args.dtype == "bfloat16"
+    return torch.autocast(args.device.split(":")[0], torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 def held_out(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
@@ -359,7 +357,6 @@ def run_rl(args, task, model):
     loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
     step's log record, and every --eval-every RL steps a held-out evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
-    # foreach by default: its kernels on CUDA, a loop on the CPU (same numbers); =True fails on Apple's MPS
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
     noise, cuda = device_noise(args, generator), args.device.startswith("cuda")   # rollouts, masked copies
@@ -494,12 +491,11 @@ def bench_memory(args, task):
             naive = measure_update(model, lambda: naive_loss(model, x, y, mc, None, A).backward())
             bgpo = measure_update(model, lambda: bgpo_backward(model, x, y, mc, None, A, None, args.mc_chunk))
         rows.append({"n_t": n_t, "naive": naive, "bgpo": bgpo})
-        out_of_memory = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo))
-                                if m is None)
+        oom = "".join(f" | {name}: out of memory" for name, m in (("naive", naive), ("BGPO", bgpo)) if not m)
         naive, bgpo = (m or dict.fromkeys(["mb", "s", "cuda_mb"], math.nan) for m in (naive, bgpo))
         print(f"{n_t:>4} | {naive['mb']:>8.1f} {bgpo['mb']:>8.1f} {naive['mb'] / bgpo['mb']:>10.2f} | "
               f"{naive['s']:>7.3f} {bgpo['s']:>7.3f} {bgpo['s'] / naive['s']:>10.2f}"
-              + (f" | {naive['cuda_mb']:>22.1f} {bgpo['cuda_mb']:>8.1f}" if cuda else "") + out_of_memory)
+              + (f" | {naive['cuda_mb']:>22.1f} {bgpo['cuda_mb']:>8.1f}" if cuda else "") + oom)
     return rows
 
 # -----------------------------------------------------------------------------
@@ -657,13 +653,13 @@ def main(argv=None):
     task, t0 = get_task(args.task), time.time()
     if args.bench_memory:   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL
         return bench_memory(args, task)
+    ckpt = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     if args.prompt is not None:  # the latest model of the run that the flags name: RL's, else SFT's
-        path = os.path.join(args.out_dir, args.run_name, "ckpt.pt")
-        path = path if os.path.isfile(path) else sft_path(args)
+        path = ckpt if os.path.isfile(ckpt) else sft_path(args)
         answer = show_unmasking(load_model(path, task, args), task, args.prompt, args)
         print(f"{args.prompt} -> {answer} -> reward {task.reward(args.prompt, answer):.2f} ({path})")
         return answer
-    if hasattr(sys.stdout, "reconfigure"):
+    if hasattr(sys.stdout, "reconfigure"):   # not in a notebook
         sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
     auto = f" (--size auto: {'CUDA' if args.size == 'gpu' else 'no CUDA device'})" if args.size_auto else ""
     print(f"task {task.name} | device {args.device} | seed {args.seed} | size {args.size}{auto}"
@@ -675,9 +671,8 @@ def main(argv=None):
     try:
         history = run_rl(args, task, model)   # its records with a held-out evaluation (step 0: SFT's)
     except torch.OutOfMemoryError:   # the remedies that work from where the run stopped
-        chunk, ckpt = args.mc_chunk // 2, os.path.join(args.out_dir, args.run_name, "ckpt.pt")
         again = "--resume" if os.path.isfile(ckpt) else "--overwrite"   # no checkpoint yet: start it again
-        less = f"{again} --mc-chunk {chunk} runs it in less memory, or " if chunk else ""
+        less = f"{again} --mc-chunk {args.mc_chunk // 2} uses less memory, or " if args.mc_chunk > 1 else ""
         raise RunError(f"out of GPU memory: {less}--size cpu runs the CPU size") from None
     before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
                      for m in (load_model(sft_path(args), task, args), model))
@@ -698,10 +693,8 @@ if __name__ == "__main__":
     except RunError as e:
         print(f"bgpo.py: error: {e}", file=sys.stderr)
         code = 2
-    if dist.is_initialized():
-        # Leave together (on gloo a process tearing down its connections while rank 0 writes can abort it),
-        # but not after an error: the others may wait in a collective (torchrun then stops them)
-        if code == 0:
+    if dist.is_initialized():   # leave together (on gloo one leaving while rank 0 writes can abort it), but
+        if code == 0:           # not after an error: the others may be in a collective (torchrun stops them)
             dist.barrier()
         dist.destroy_process_group()
     sys.exit(code)

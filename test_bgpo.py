@@ -1013,7 +1013,7 @@ def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(t
     monkeypatch.setattr(tiny_dllm, "generate", out_of_memory)   # what bgpo.py imports as a script
     code, err = run_script(argv, monkeypatch, capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert f"{after} --mc-chunk 4 runs it in less memory, or --size cpu runs the CPU size" in err, err
+    assert f"{after} --mc-chunk 4 uses less memory, or --size cpu runs the CPU size" in err, err
     monkeypatch.setattr(tiny_dllm, "generate", real)
     run = tmp_path / "arithmetic_bgpo_nt4_seed0_gpu"
     cpu_size = run.with_name("arithmetic_bgpo_nt4_seed0")
