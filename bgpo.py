@@ -163,9 +163,8 @@ SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, eval
 SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on a task's early plateau
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is greedy
-# --size gpu: one 24 GiB GPU (a flag given wins); one backward over all 8 masked copies of every rollout
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
-                                mc_chunk=8, skip_tied=False)}
+                                mc_chunk=8, skip_tied=False)}   # one 24 GiB GPU: 8 masked copies a backward
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
@@ -617,7 +616,7 @@ def describe_run(args):
             "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
 
 NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
-               "mc_chunk")   # flags that change no number of a run (--mc-chunk: but float sums)
+               "mc_chunk")   # flags that change no number of a run (--mc-chunk: only float rounding)
 
 def refuse_to_overwrite(args):
     """A folder holding a run is continued (--resume, with its run.json's flags but NOT_RESULTS; a larger
@@ -659,8 +658,8 @@ def main(argv=None):
         answer = show_unmasking(load_model(path, task, args), task, args.prompt, args)
         print(f"{args.prompt} -> {answer} -> reward {task.reward(args.prompt, answer):.2f} ({path})")
         return answer
-    if hasattr(sys.stdout, "reconfigure"):   # not in a notebook
-        sys.stdout.reconfigure(line_buffering=True)  # every progress line reaches a log file as it is printed
+    # every progress line reaches a log file as it is printed (a notebook's stdout has no reconfigure)
+    getattr(sys.stdout, "reconfigure", lambda **_: None)(line_buffering=True)
     auto = f" (--size auto: {'CUDA' if args.size == 'gpu' else 'no CUDA device'})" if args.size_auto else ""
     print(f"task {task.name} | device {args.device} | seed {args.seed} | size {args.size}{auto}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
@@ -690,8 +689,9 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except RunError as e:
-        print(f"bgpo.py: error: {e}", file=sys.stderr)
+    except (RunError, torch.OutOfMemoryError) as e:   # out of memory outside RL's steps: the CPU size
+        message = e if isinstance(e, RunError) else "out of GPU memory: --size cpu runs the CPU size"
+        print(f"bgpo.py: error: {message}", file=sys.stderr)
         code = 2
     if dist.is_initialized():   # leave together (on gloo one leaving while rank 0 writes can abort it), but
         if code == 0:           # not after an error: the others may be in a collective (torchrun stops them)

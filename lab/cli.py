@@ -41,8 +41,10 @@ def make_parser(prog, description):
 # shown, not what it computes (bgpo.py's, then the lab's); every other flag that differs from its default
 # goes into the run's name as a hash. bgpo.py names its runs in words only.
 IN_WORDS = ("task", "objective", "mc_samples", "minibatches", "seed")
-NOT_RESULTS = bgpo.NOT_RESULTS + ("plot", "bench_repeats", "final_eval_size", "pass_at_k_size",
-                                  "track_answers", "size", "dtype", "skip_tied")   # lab: bgpo.py's defaults
+# --mc-chunk names a lab run (not bgpo.py's): the lab compares runs that differ by it alone (rounding)
+NOT_RESULTS = tuple(n for n in bgpo.NOT_RESULTS if n != "mc_chunk") + (
+    "plot", "bench_repeats", "final_eval_size", "pass_at_k_size", "track_answers", "size", "dtype",
+    "skip_tied")   # lab: bgpo.py's defaults
 
 def settings_hash(p, args):
     """"_" and a short hash of every other flag of p that differs from its default ("" if none): two lab

@@ -5,11 +5,12 @@ timer (nothing else changes: the run prints and writes what it always does), the
     python -m lab.phases [bgpo.py flags]          # e.g. --seed 10 --out-dir /tmp/phases
 
 The phases: SFT's training steps (run_sft less its evaluations); SFT's greedy evaluations, on the validation
-problems (they choose the model kept) and on held-out ones (bgpo.py before this command scored them too);
-RL's rollouts (sample_rollouts: the sampler and the verifier), its update (bgpo_backward, or naive_loss and
-its backward), its held-out evaluations and the rest of its steps (advantages, masked copies, the gradient
-clip, AdamW, the log); the final paired comparison (both models on the held-out problems); the rest (setup,
-the unmasking shown, checkpoints).
+problems (they choose the model kept) and on held-out ones (bgpo.py scored them before commit 143bc9f);
+RL's rollouts (sample_rollouts: the sampler and the verifier), its update (bgpo_backward; with --objective
+naive, naive_loss's forward only, its backward falls in the rest), its held-out evaluations and the rest of
+its steps (advantages, masked copies, the gradient clip, AdamW, the log); the final paired comparison (both
+models on the held-out problems); the rest (setup, the unmasking shown, checkpoints). The timers read the
+host's clock without waiting for a GPU: on CUDA a phase's kernels may be counted in a later one.
 """
 import collections
 import sys
