@@ -1345,13 +1345,11 @@ def script_process(rank, port, argv, stderr_path):
     sys.argv = ["bgpo.py", *argv]
     runpy.run_path(bgpo.__file__, run_name="__main__")   # ends in sys.exit: the process's exit code
 
-def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(tmp_path):
-    """--stage rl without an SFT model: a RunError on both processes, after they joined the group. Each
-    prints one line and leaves the group with the other (no abort, no hang) and exits with code 2."""
-    port = free_port()
-    argv, context = DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)], processes_context()
-    processes = [context.Process(target=script_process, args=(rank, port, argv, tmp_path / f"stderr{rank}"))
-                 for rank in (0, 1)]
+def two_script_processes(target, argv, tmp_path):
+    """target(rank, port, argv, stderr file) as processes 0 and 1 of one group; fails if either still runs
+    after 60 s. Returns their exit codes and their stderr."""
+    port, context, errs = free_port(), processes_context(), [tmp_path / f"stderr{rank}" for rank in (0, 1)]
+    processes = [context.Process(target=target, args=(rank, port, argv, errs[rank])) for rank in (0, 1)]
     for process in processes:
         process.start()
     for process in processes:
@@ -1360,9 +1358,14 @@ def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(t
     for process in processes:
         process.kill()
     assert not hung, f"processes {hung} still running after 60 s"
-    for rank, process in enumerate(processes):
-        err = (tmp_path / f"stderr{rank}").read_text()
-        assert process.exitcode == 2 and err.startswith("bgpo.py: error: no checkpoint at"), (rank, err)
+    return [process.exitcode for process in processes], [err.read_text() for err in errs]
+
+def test_a_run_error_in_data_parallel_exits_2_on_every_process_without_hanging(tmp_path):
+    """--stage rl without an SFT model: a RunError on both processes, after they joined the group. Each
+    prints one line and leaves the group with the other (no abort, no hang) and exits with code 2."""
+    argv = DP_ARGV + ["--stage", "rl", "--out-dir", str(tmp_path)]
+    for rank, (code, err) in enumerate(zip(*two_script_processes(script_process, argv, tmp_path))):
+        assert code == 2 and err.startswith("bgpo.py: error: no checkpoint at"), (rank, err)
         assert err.count("\n") == 1 and "terminate called" not in err, (rank, err[-2000:])
 
 def out_of_memory_process(rank, port, argv, stderr_path):
@@ -1380,21 +1383,10 @@ def test_out_of_memory_on_one_process_ends_both_without_hanging(tmp_path):
     """Process 1 alone runs out of memory while process 0 goes on to the update's all_reduce: process 1 says
     so in one line and leaves without waiting for the others (a barrier there would not match process 0's
     collective); process 0's collective then fails. Both exit non-zero, in seconds."""
-    port = free_port()
-    argv, context = DP_ARGV + ["--out-dir", str(tmp_path)], processes_context()
-    processes = [context.Process(target=out_of_memory_process, args=(rank, port, argv, tmp_path / f"e{rank}"))
-                 for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=60)
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for process in processes:
-        process.kill()
-    assert not hung, f"processes {hung} still running after 60 s"
-    err = (tmp_path / "e1").read_text()
-    assert processes[1].exitcode == 2 and err.startswith("bgpo.py: error: out of GPU memory"), err
-    assert processes[0].exitcode not in (0, None), (tmp_path / "e0").read_text()[-2000:]
+    argv = DP_ARGV + ["--out-dir", str(tmp_path)]
+    codes, errs = two_script_processes(out_of_memory_process, argv, tmp_path)
+    assert codes[1] == 2 and errs[1].startswith("bgpo.py: error: out of GPU memory"), errs[1]
+    assert codes[0] not in (0, None), errs[0][-2000:]
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("extra, message", [
