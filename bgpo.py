@@ -595,7 +595,8 @@ def parse_args(argv=None):
     size = ("gpu" if on_cuda else "cpu") if given.size == "auto" else given.size
     p.set_defaults(**SIZES[size])   # --size's defaults; the flags given win
     args = p.parse_args(argv)
-    args.size, args.size_auto = size, given.size == "auto"
+    why = "CUDA" if on_cuda else f"--device {given.device}" if torch.cuda.is_available() else "no CUDA device"
+    args.size, args.size_auto = size, f" (--size auto: {why})" if given.size == "auto" else ""   # said first
     return check_args(p, args)
 
 def sft_model(args, task):
@@ -660,8 +661,7 @@ def main(argv=None):
         return answer
     # every progress line reaches a log file as it is printed (a notebook's stdout has no reconfigure)
     getattr(sys.stdout, "reconfigure", lambda **_: None)(line_buffering=True)
-    auto = f" (--size auto: {'CUDA' if args.size == 'gpu' else 'no CUDA device'})" if args.size_auto else ""
-    print(f"task {task.name} | device {args.device} | seed {args.seed} | size {args.size}{auto}"
+    print(f"task {task.name} | device {args.device} | seed {args.seed} | size {args.size}{args.size_auto}"
           + (f" | {args.world} processes, data parallel" if args.world > 1 else ""))
     refuse_to_overwrite(args)
     model = make_model(task, args) if args.resume else sft_model(args, task)  # --resume: run_rl loads weights

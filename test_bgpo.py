@@ -593,7 +593,8 @@ def test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval(
     argv = tiny_argv(tmp_path)
     history = bgpo.main(argv)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "task arithmetic | device cpu | seed 0 | size cpu (--size auto: no CUDA device)", out[0]
+    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"   # tiny_argv's --device cpu
+    assert out[0] == f"task arithmetic | device cpu | seed 0 | size cpu (--size auto: {why})", out[0]
     line = [l for l in out if " RL steps: " in l][-1]
     before, after, gain, low, high = map(float, re.findall(r"[-+]?\d+\.\d", line)[:5])
     assert (before, after) == tuple(round(100 * h["accuracy"], 1) for h in (history[0], history[-1]))
@@ -969,7 +970,9 @@ def test_the_gpu_size_sets_its_flags_defaults_and_a_flag_given_wins():
     """--size gpu changes the defaults of the flags it names, and only those; a flag on the command line
     wins over the size. The CPU size is the defaults as --help lists them, float32 on the CPU."""
     cpu, gpu = bgpo.parse_args(["--device", "cpu"]), bgpo.parse_args(["--device", "cpu", "--size", "gpu"])
-    assert vars(cpu) == {**vars(bgpo.parse_args(["--device", "cpu", "--size", "cpu"])), "size_auto": True}
+    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
+    assert vars(cpu) == {**vars(bgpo.parse_args(["--device", "cpu", "--size", "cpu"])),
+                         "size_auto": f" (--size auto: {why})"}
     assert cpu.dtype == "float32" and (cpu.n_layer, cpu.n_embd, cpu.rl_steps, cpu.demos) == (3, 128, 200, 500)
     changed = {name for name in vars(cpu) if getattr(cpu, name) != getattr(gpu, name)}
     assert changed == set(bgpo.SIZES["gpu"]) | {"size", "size_auto", "run_name"}, changed
@@ -987,12 +990,14 @@ def test_size_auto_is_the_gpu_size_on_cuda_and_the_cpu_size_elsewhere(monkeypatc
     monkeypatch.setattr(bgpo, "pick_device", lambda device: fake.get(device, device))
     monkeypatch.setattr(bgpo, "check_args", lambda p, args: args)
     on_cuda = bgpo.parse_args([])
-    assert (on_cuda.size, on_cuda.size_auto) == ("gpu", True)
+    assert (on_cuda.size, on_cuda.size_auto) == ("gpu", " (--size auto: CUDA)")
     assert all(getattr(on_cuda, name) == value for name, value in bgpo.SIZES["gpu"].items())
     assert bgpo.parse_args(["--n-layer", "2"]).n_layer == 2
     assert bgpo.parse_args(["--size", "cpu"]).n_layer == bgpo.parse_args(["--device", "cpu"]).n_layer == 3
     explicit, cpu = (bgpo.parse_args(["--device", "cpu", *size]) for size in (["--size", "gpu"], []))
-    assert (explicit.size, cpu.size) == ("gpu", "cpu")
+    assert (explicit.size, cpu.size) == ("gpu", "cpu") and explicit.size_auto == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a CUDA machine, told --device cpu
+    assert bgpo.parse_args(["--device", "cpu"]).size_auto == " (--size auto: --device cpu)"
 
 @pytest.mark.parametrize("at_step, after", [(1, "--overwrite"), (3, "--resume")])
 def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(tmp_path, monkeypatch, capsys,
