@@ -17,6 +17,7 @@ import sys
 import time
 
 import bgpo
+from lab import cli
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -74,4 +75,4 @@ def main(argv=None):
     return dict(rows), calls
 
 if __name__ == "__main__":
-    main()
+    cli.command_line(main, "python -m lab.phases")

@@ -448,3 +448,10 @@ def test_phases_counts_each_call_of_the_run_and_its_seconds_add_up_to_the_whole(
     assert calls["run_sft: validation"] == 2, "SFT steps 50 and 100"
     assert all(s >= 0 for s in rows.values()) and "where the" in capsys.readouterr().out
     assert bgpo.evaluate.__module__ == "bgpo", "the timers are taken off again"
+
+def test_phases_without_an_sft_model_exits_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.command_line(lambda: phases.main(tiny_argv(tmp_path, "--stage", "rl")), "python -m lab.phases")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("python -m lab.phases: error: no checkpoint at"), err
+    assert err.count("\n") == 1 and bgpo.run_rl.__module__ == "bgpo", "the timers are taken off again"
