@@ -165,6 +165,7 @@ RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (pa
 TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is greedy
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 mc_chunk=8, skip_tied=False)}   # one 24 GiB GPU: 8 masked copies a backward
+COPY_GIB = {"bfloat16": 0.6, "float32": 1.06}   # a masked copy's activations in a GPU-size update (measured)
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
@@ -351,6 +352,20 @@ def held_out_eval(model, task, args, record):
     return (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"
             + "\n".join(result["examples"]))
 
+def rows_to_update(rows, A, x, y, mc, old_terms, args):
+    """A mini-batch's rows for its update, on the device: with --skip-tied those with signal (A != 0; a group
+    whose rewards tie has A = 0), else all (a fixed shape). Returns how many have signal, and the update's
+    (prompts, completions, masked copies, old terms, advantages), the advantages rescaled: bgpo_backward means
+    over its rows, this makes it the mean over all. The index goes to the device first: a host's would make
+    every gather wait for the GPU."""
+    signal = rows[A[rows] != 0]
+    kept = signal if args.skip_tied else rows
+    # queued, no wait (but on MPS, where a non-blocking copy from the host can read freed memory)
+    to_device = lambda t: t.to(args.device, non_blocking=not args.device.startswith("mps"))
+    i, A_kept = to_device(kept), to_device(A[kept] * (len(kept) / len(rows)))
+    old_kept = None if old_terms is None else old_terms[i]
+    return len(signal), (x[i], y[i], MCSamples(mc.mask[i], mc.weight[i]), old_kept, A_kept)
+
 def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers). The
     loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
@@ -401,22 +416,17 @@ def run_rl(args, task, model):
         losses = []
         with contextlib.nullcontext() if cuda else ActivationMemory(model) as memory:   # CUDA: no hooks' time
             for rows in torch.arange(B).chunk(args.minibatches):
-                signal = rows[A[rows] != 0]   # a group whose rewards tie has A = 0: no signal
-                kept = signal if args.skip_tied else rows   # the rows updated; all: a fixed shape
-                # bgpo_backward means over the rows it is given: rescaled, it is the mean over all rows
-                A_kept = (A[kept] * (len(kept) / len(rows))).to(args.device)
-                rollouts = (x[kept], y[kept], MCSamples(mc.mask[kept], mc.weight[kept]),   # with their copies
-                            None if old_terms is None else old_terms[kept])                 # and old terms
+                signal, rollouts = rows_to_update(rows, A, x, y, mc, old_terms, args)
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
                 with autocast(args):
-                    if len(signal) and args.objective == "bgpo":   # backward per --mc-chunk copies
-                        loss = bgpo_backward(model, *rollouts, A_kept, clip_eps, args.mc_chunk)
-                    elif len(signal):                               # one graph over all n_t copies
-                        naive = naive_loss(model, *rollouts, A_kept, clip_eps)
+                    if signal and args.objective == "bgpo":   # backward per --mc-chunk copies
+                        loss = bgpo_backward(model, *rollouts, clip_eps, args.mc_chunk)
+                    elif signal:                               # one graph over all n_t copies
+                        naive = naive_loss(model, *rollouts, clip_eps)
                         naive.backward()
                         loss = naive.item()
-                loss, mean_rows = average_gradients(model, args, loss, len(signal))  # means over processes
+                loss, mean_rows = average_gradients(model, args, loss, signal)  # means over processes
                 if mean_rows == 0:  # no signal in any process: no optimizer step (Adam moves weights on 0)
                     continue
                 if not math.isfinite(loss):  # stop before the step: the last checkpoint stays good
@@ -514,7 +524,8 @@ def make_parser():
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     run("--size", choices=["auto", *SIZES], default="auto",
-        help=f"the defaults of the flags below; auto: gpu on CUDA, else cpu; gpu: {SIZES['gpu']}")
+        help=f"the defaults of the flags below; auto: gpu on CUDA (as its card holds), else cpu; gpu: "
+             f"{SIZES['gpu']}")
     run("--dtype", choices=["float32", "bfloat16"],
         help="forward passes (float32: with TF32 matmuls on CUDA; None: bf16 on CUDA from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
@@ -573,30 +584,45 @@ def check_args(p, args):
     if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
         example = task.sample(1, "test", 0)[0][0]
         p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {example!r}")
-    args.device = pick_device(args.device)
-    if args.world > 1:   # torchrun: each process on its own GPU (NCCL), or on the CPU (gloo)
-        args.device = f"cuda:{os.environ['LOCAL_RANK']}" if args.device.startswith("cuda") else "cpu"
-    try:
-        torch.empty(0, device=args.device)
-    except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
-        p.error(f"--device {args.device} is not available here")
-    native_bf16 = args.device.startswith("cuda") and torch.cuda.get_device_capability(args.device) >= (8, 0)
-    args.dtype = args.dtype or ("bfloat16" if native_bf16 else "float32")   # bf16 tensor cores: Ampere on
     return args
 
-def pick_device(device):   # --device auto: CUDA, then Apple's MPS, then the CPU
-    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return auto if device == "auto" else device
+def pick_device(p, device):
+    """--device auto: CUDA, then Apple's MPS, then the CPU; under torchrun a process's own GPU, or the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else \
+            "cpu"
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:   # each process on its own GPU (NCCL), or on the CPU (gloo)
+        device = f"cuda:{os.environ['LOCAL_RANK']}" if device.startswith("cuda") else "cpu"
+    try:
+        torch.empty(0, device=device)
+    except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
+        p.error(f"--device {device} is not available here")
+    return device
+
+def fit_size(device, size, dtype):
+    """The defaults the device sets: --dtype bf16 where the card has bf16 tensor cores (Ampere on), else
+    float32; with --size auto on CUDA the GPU size with the most masked copies a backward (--mc-chunk 8, 4,
+    2 or 1) whose activations fit in half the card's memory, else the CPU size. Returns size, defaults, why"""
+    card = torch.cuda.get_device_properties(device) if device.startswith("cuda") else None
+    dtype = dtype or ("bfloat16" if card and (card.major, card.minor) >= (8, 0) else "float32")
+    if size != "auto" or not card:
+        why = size == "auto" and (f"--device {device}" if torch.cuda.is_available() else "no CUDA device")
+        return size.replace("auto", "cpu"), {"dtype": dtype}, why or ""
+    gib = card.total_memory / 2**30
+    chunk = next((c for c in (8, 4, 2, 1) if c * COPY_GIB[dtype] <= gib / 2), None)
+    why = f"{card.name}, {gib:.0f} GiB, {dtype}: " + (f"--mc-chunk {chunk}" if chunk else "too small a card")
+    return "gpu" if chunk else "cpu", {"dtype": dtype, "mc_chunk": chunk or 1}, why
 
 def parse_args(argv=None):
     p = make_parser()
-    given = p.parse_known_args(argv)[0]   # auto: the GPU size on CUDA, else the CPU size (MPS: not measured)
-    on_cuda = pick_device(given.device).startswith("cuda")
-    size = ("gpu" if on_cuda else "cpu") if given.size == "auto" else given.size
-    p.set_defaults(**SIZES[size])   # --size's defaults; the flags given win
+    given = p.parse_known_args(argv)[0]
+    device = pick_device(p, given.device)
+    size, defaults, why = fit_size(device, given.size, given.dtype)
+    p.set_defaults(**{**SIZES[size], **defaults})   # --size's and the card's defaults; the flags given win
+    if given.objective == "naive":   # one graph over the n_t copies: --mc-chunk is BGPO's
+        p.set_defaults(mc_chunk=1)
     args = p.parse_args(argv)
-    why = "CUDA" if on_cuda else f"--device {given.device}" if torch.cuda.is_available() else "no CUDA device"
-    args.size, args.size_auto = size, f" (--size auto: {why})" if given.size == "auto" else ""   # said first
+    args.device, args.size, args.size_auto = device, size, why and f" (--size auto: {why})"   # said first
     return check_args(p, args)
 
 def sft_model(args, task):
@@ -672,7 +698,8 @@ def main(argv=None):
     except torch.OutOfMemoryError:   # the remedies that work from where the run stopped
         again = "--resume" if os.path.isfile(ckpt) else "--overwrite"   # no checkpoint yet: start it again
         less = f"{again} --mc-chunk {args.mc_chunk // 2} uses less memory, or " if args.mc_chunk > 1 else ""
-        raise RunError(f"out of GPU memory: {less}--size cpu runs the CPU size") from None
+        smaller = "--size cpu runs the CPU size" if args.size == "gpu" else "--device cpu runs it on the CPU"
+        raise RunError(f"out of GPU memory: {less}{smaller}") from None
     before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
                      for m in (load_model(sft_path(args), task, args), model))
     gain, half = paired_gain(before, after)

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -981,23 +982,49 @@ def test_the_gpu_size_sets_its_flags_defaults_and_a_flag_given_wins():
     mine = bgpo.parse_args(["--device", "cpu", "--size", "gpu", "--rl-steps", "7", "--n-layer", "2"])
     assert (mine.rl_steps, mine.n_layer, mine.n_embd) == (7, 2, bgpo.SIZES["gpu"]["n_embd"])
 
-def test_size_auto_is_the_gpu_size_on_cuda_and_the_cpu_size_elsewhere(monkeypatch):
-    """--size auto (the default) takes the GPU size's defaults when --device resolves to CUDA, else the CPU
-    size's; a flag given still wins, and an explicit --size wins over the device. The device is faked
-    (pick_device says cuda; check_args, which would try to allocate there, is bypassed). A run's first line
-    says which size and why: test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval."""
-    fake = {"auto": "cuda", "cpu": "cpu"}
-    monkeypatch.setattr(bgpo, "pick_device", lambda device: fake.get(device, device))
-    monkeypatch.setattr(bgpo, "check_args", lambda p, args: args)
-    on_cuda = bgpo.parse_args([])
-    assert (on_cuda.size, on_cuda.size_auto) == ("gpu", " (--size auto: CUDA)")
-    assert all(getattr(on_cuda, name) == value for name, value in bgpo.SIZES["gpu"].items())
-    assert bgpo.parse_args(["--n-layer", "2"]).n_layer == 2
-    assert bgpo.parse_args(["--size", "cpu"]).n_layer == bgpo.parse_args(["--device", "cpu"]).n_layer == 3
-    explicit, cpu = (bgpo.parse_args(["--device", "cpu", *size]) for size in (["--size", "gpu"], []))
-    assert (explicit.size, cpu.size) == ("gpu", "cpu") and explicit.size_auto == ""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a CUDA machine, told --device cpu
-    assert bgpo.parse_args(["--device", "cpu"]).size_auto == " (--size auto: --device cpu)"
+CARDS = {"RTX 4090": (24, 8, 9), "A100 80GB": (80, 8, 0), "RTX 2070": (8, 7, 5), "T4": (15, 7, 5),
+         "Quadro K620": (2, 5, 0)}   # GB of memory, compute capability
+
+@pytest.mark.parametrize("card, dtype, chunk", [("RTX 4090", "bfloat16", 8), ("A100 80GB", "bfloat16", 8),
+                                               ("RTX 2070", "float32", 2), ("T4", "float32", 4),
+                                               ("Quadro K620", "float32", None)])
+def test_size_auto_fits_the_card(monkeypatch, card, dtype, chunk):
+    """--size auto (the default) on CUDA takes the GPU size's defaults with the most masked copies a backward
+    (8, 4, 2 or 1) whose activations, COPY_GIB each, fit in half the card's memory, or the CPU size's where
+    even one does not. By hand: 8 GB (7.45 GiB) in float32 has 3.73 GiB for 2 x 1.06, not 4 (4.24); a T4's 15
+    GB (13.97 GiB) 6.98 for 4; 2 GB 0.93, not one. bf16 from compute capability 8.0. The card is faked (its
+    properties, and the device)."""
+    gb, major, minor = CARDS[card]
+    memory = gb * 10**9
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        name=f"NVIDIA {card}", total_memory=memory, major=major, minor=minor))
+    monkeypatch.setattr(bgpo, "pick_device", lambda p, device: "cpu" if device == "cpu" else "cuda")
+    args = bgpo.parse_args([])
+    assert (args.size, args.dtype, args.mc_chunk) == ("gpu" if chunk else "cpu", dtype, chunk or 1)
+    assert args.size_auto == f" (--size auto: NVIDIA {card}, {memory / 2**30:.0f} GiB, {dtype}: " \
+        + (f"--mc-chunk {chunk})" if chunk else "too small a card)")
+    size = bgpo.SIZES[args.size]
+    assert all(getattr(args, name) == value for name, value in size.items() if name != "mc_chunk")
+    given = bgpo.parse_args(["--mc-chunk", "1", "--n-layer", "2", "--dtype", "float32"])   # the flags win
+    assert (given.mc_chunk, given.n_layer, given.dtype) == (1, 2, "float32")
+    assert bgpo.parse_args(["--objective", "naive"]).mc_chunk == 1   # no chunks: one graph
+    explicit = bgpo.parse_args(["--size", "gpu"])   # --size gpu: the size as written
+    assert (explicit.size, explicit.mc_chunk, explicit.size_auto) == ("gpu", 8, "")
+    told = bgpo.parse_args(["--device", "cpu"])   # a CUDA machine, told --device cpu
+    assert (told.size, told.dtype, told.size_auto) == ("cpu", "float32", " (--size auto: --device cpu)")
+
+def test_size_auto_is_the_cpu_size_without_cuda(monkeypatch):
+    """Without CUDA (the CPU, Apple's MPS) --size auto is the CPU size, in float32, and says why; an explicit
+    --size gpu is the GPU size there too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cpu", "mps"):
+        monkeypatch.setattr(bgpo, "pick_device", lambda p, given: device)
+        args = bgpo.parse_args([])
+        assert (args.size, args.dtype, args.n_layer, args.size_auto) == ("cpu", "float32", 3,
+                                                                       " (--size auto: no CUDA device)")
+        explicit = bgpo.parse_args(["--size", "gpu"])
+        assert all(getattr(explicit, name) == value for name, value in bgpo.SIZES["gpu"].items())
 
 @pytest.mark.parametrize("at_step, after", [(1, "--overwrite"), (3, "--resume")])
 def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(tmp_path, monkeypatch, capsys,

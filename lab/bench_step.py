@@ -138,13 +138,11 @@ def rl_step(model, optimizer, task, args, generator, noise, meter, ops=None, sam
     r[mixed_groups(args, mixed):] = 0.0                 # but the last groups' rewards tie: A = 0
     A = bgpo.group_advantages(r.flatten(), G)
     mc = bgpo.draw_mc_samples(B, L, args.mc_samples, noise).to(args.device)
-    kept = torch.arange(B)[A != 0] if args.skip_tied else torch.arange(B)   # as run_rl keeps them
-    A_kept = (A[kept] * (len(kept) / B)).to(args.device)
-    rollouts = x[kept], y[kept], bgpo.MCSamples(mc.mask[kept], mc.weight[kept])
+    rollouts = bgpo.rows_to_update(torch.arange(B), A, x, y, mc, None, args)[1]   # as run_rl takes them
     optimizer.zero_grad(set_to_none=True)
     with ActivationMemory(model) if meter else contextlib.nullcontext() as memory, at("update"), \
             bgpo.autocast(args):
-        bgpo.bgpo_backward(model, *rollouts, None, A_kept, None, args.mc_chunk)
+        bgpo.bgpo_backward(model, *rollouts, None, args.mc_chunk)
     with at("optimizer"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=optimizer.defaults["foreach"])
         optimizer.step()

@@ -220,6 +220,35 @@ def test_the_sync_count_says_when_the_host_waits_for_the_device():
     for func, args, kwargs, expected in cases:
         assert bench_step.waits(func, args, kwargs) == expected, (func, kwargs)
 
+@pytest.mark.parametrize("skip_tied, minibatches", [(True, 1), (False, 1), (True, 2)])
+def test_an_updates_rows_reach_the_device_without_a_wait(skip_tied, minibatches):
+    """bgpo.rows_to_update, the RL step's data movement: with the rollouts, masked copies and old terms on a
+    stand-in for a GPU (meta) and the advantages on the host, as run_rl has them, no op makes the host wait
+    (before: five a mini-batch, the advantages' copy and four gathers by a host index). On the CPU, the rows
+    and advantages it returns against the mini-batch's by hand: its rows with signal (all without
+    --skip-tied), the advantages times kept / rows."""
+    B, M, L, P = 8, 3, 5, 4
+    A = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])   # group 1 ties (A = 0), group 2 does not
+    old_terms = torch.randn(B, M) if minibatches > 1 else None
+    on_cpu = (torch.arange(B * P).view(B, P), torch.arange(B * L).view(B, L),
+              bgpo.draw_mc_samples(B, L, M, torch.Generator().manual_seed(0)), old_terms)
+    for rows in torch.arange(B).chunk(minibatches):
+        args = bgpo.parse_args(tiny_argv("unused", *([] if skip_tied else ["--no-skip-tied"])))
+        signal, (x, y, mc, old, A_kept) = bgpo.rows_to_update(rows, A, *on_cpu, args)
+        kept = [i for i in rows.tolist() if A[i] != 0 or not skip_tied]
+        assert signal == sum(A[i] != 0 for i in rows.tolist()) and x.tolist() == on_cpu[0][kept].tolist()
+        assert torch.equal(y, on_cpu[1][kept]) and torch.equal(mc.mask, on_cpu[2].mask[kept])
+        assert torch.equal(mc.weight, on_cpu[2].weight[kept]) and (old is None) == (old_terms is None)
+        assert old is None or torch.equal(old, old_terms[kept])
+        assert torch.allclose(A_kept, A[kept] * len(kept) / len(rows))
+        args.device = "meta"
+        on_gpu = [t.to("meta") for t in on_cpu[:2]] + [on_cpu[2].to("meta")] \
+            + [None if old_terms is None else old_terms.to("meta")]
+        with bench_step.OpCounter() as ops:
+            meta = bgpo.rows_to_update(rows, A, *on_gpu, args)[1]
+        assert all(t is None or t.device.type == "meta" for t in meta[:2] + meta[3:]), meta
+        assert sum(ops.syncs.values()) == 0, ops.syncs
+
 def test_the_graphed_sampler_refuses_a_generator_off_the_gpu():
     model = bgpo.make_model(get_task("arithmetic"), bgpo.parse_args(tiny_argv("unused")))
     with pytest.raises(ValueError, match="generator: a CUDA graph draws on the GPU"):
