@@ -22,7 +22,7 @@ import math
 import os
 import pathlib
 import re
-import subprocess
+import statistics
 import sys
 import textwrap
 import time
@@ -36,8 +36,7 @@ from tasks import TASKS, encode, get_task
 from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
                        masked_log_likelihood, measure_update, sft_loss)
 
-# -----------------------------------------------------------------------------
-# 1. The ELBO and its Monte Carlo estimate (Eq. 4-5)
+# 1. The ELBO and its Monte Carlo estimate (Eq. 4-5) ---------------------------------------------------------
 
 @dataclass
 class MCSamples:
@@ -66,8 +65,7 @@ def elbo_terms(model, prompts, completions, mc):
     logp = masked_log_likelihood(model, x, y, mc.mask.reshape(B * M, L).to(y.device))
     return mc.weight.to(logp) * logp.view(B, M)
 
-# -----------------------------------------------------------------------------
-# 2. The objectives: naive (Eq. 6-7) and BGPO's lower bound (Eq. 9-14), side by side
+# 2. The objectives: naive (Eq. 6-7) and BGPO's lower bound (Eq. 9-14), side by side -------------------------
 
 def check_shapes(prompts, completions, mc, old_terms=None, advantages=None):
     """Every shape must match exactly: a silent broadcast would train on the wrong numbers."""
@@ -155,8 +153,7 @@ def group_advantages(rewards, group_size):
     tie = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)
     return A.masked_fill(tie, 0.0).flatten()
 
-# -----------------------------------------------------------------------------
-# 3. The script: SFT on demonstrations, then RL with the verifier
+# 3. The script: SFT on demonstrations, then RL with the verifier --------------------------------------------
 
 DEMOS = {"arithmetic": 750, "countdown": 500, "sudoku": 50}  # default --demos per task
 SFT_LR, SFT_BATCH, SFT_PATIENCE = 1e-3, 128, 4   # peak lr (cosine), batch, evaluations without progress
@@ -164,7 +161,7 @@ SFT_MIN_STEPS = {"arithmetic": 500, "countdown": 0, "sudoku": 0}   # no stop on 
 RL_LR, NEG_WEIGHT, CLIP_EPS = 1e-4, 0.5, 0.2  # constant lr; weight of A < 0 (paper: 1); PPO clip (off-policy)
 TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is greedy
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
-                                mc_chunk=8, skip_tied=False)}   # one 24 GiB GPU: 8 masked copies a backward
+                                skip_tied=False)}   # --mc-chunk: as many masked copies as the card holds
 COPY_GIB = {"bfloat16": 0.6, "float32": 1.06}   # a masked copy's activations in a GPU-size update (measured)
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
@@ -223,15 +220,12 @@ def paired_gain(before, after):
     """The gain from 0/1 outcomes `before` to `after` on the same problems, mean_i (after_i - before_i), and
     its 95% half-width 1.96 s / sqrt(n), s the differences' std: pairing drops their shared difficulty."""
     d = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(d) / len(d)
-    s = math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1)) if len(d) > 1 else math.nan
-    return mean, 1.96 * s / math.sqrt(len(d))
+    return statistics.mean(d), 1.96 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
 
 def write_text(path, text, save=None):
     """text, or what save(file name) writes, to a temporary file renamed to path: never a broken file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save = save or (lambda tmp: pathlib.Path(tmp).write_text(text))
-    save(path + ".tmp")
+    (save or (lambda tmp: pathlib.Path(tmp).write_text(text)))(path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def save_checkpoint(path, task, config, **state):   # with what load_checkpoint checks
@@ -353,14 +347,11 @@ def held_out_eval(model, task, args, record):
             + "\n".join(result["examples"]))
 
 def rows_to_update(rows, A, x, y, mc, old_terms, args):
-    """A mini-batch's rows for its update, on the device: with --skip-tied those with signal (A != 0; a group
-    whose rewards tie has A = 0), else all (a fixed shape). Returns how many have signal, and the update's
-    (prompts, completions, masked copies, old terms, advantages), the advantages rescaled: bgpo_backward means
-    over its rows, this makes it the mean over all. The index goes to the device first: a host's would make
-    every gather wait for the GPU."""
+    """A mini-batch's rows with signal (A != 0; a group whose rewards tie has A = 0) or all (--no-skip-tied):
+    how many have signal, and the update's inputs on the device, A rescaled (bgpo_backward means over rows)"""
     signal = rows[A[rows] != 0]
     kept = signal if args.skip_tied else rows
-    # queued, no wait (but on MPS, where a non-blocking copy from the host can read freed memory)
+    # queued, the index too: a host's makes each gather wait (MPS's non-blocking copies can read freed memory)
     to_device = lambda t: t.to(args.device, non_blocking=not args.device.startswith("mps"))
     i, A_kept = to_device(kept), to_device(A[kept] * (len(kept) / len(rows)))
     old_kept = None if old_terms is None else old_terms[i]
@@ -437,11 +428,10 @@ def run_rl(args, task, model):
                 losses.append(loss)
         rewards = torch.cat(everyone(rewards, args))   # the log is over every process's rollouts
         groups = rewards.view(-1, G)
+        mixed, solve = groups.amax(1) > groups.amin(1), (groups == 1).any(1) & (groups < 1).any(1)
         records.append(r := {"step": step, "seconds": time.time() - t0, "reward": rewards.mean().item(),
-                             "reward_std": rewards.std().item(),
-                             "mixed_groups": (groups.amax(1) > groups.amin(1)).double().mean().item(),
-                             "solve_groups": ((groups == 1).any(1) & (groups < 1).any(1)).double().mean()
-                             .item(),   # solve groups: the only ones that teach to solve
+                             "reward_std": rewards.std().item(), "mixed_groups": mixed.double().mean().item(),
+                             "solve_groups": solve.double().mean().item(),   # a solve and a miss
                              "solved": (rewards == 1.0).double().mean().item(),
                              "loss": sum(losses) / len(losses) if losses else 0.0,
                              "activation_mb": None if cuda else memory.peak / 2**20})   # CUDA: no meter
@@ -454,10 +444,9 @@ def run_rl(args, task, model):
             rngs, saved = everyone([generator.get_state(), noise.get_state()], args), step   # for --resume
         print(line)
         if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
-            dead = sum(not q.get("solve_groups", 1) for q in records[1:])   # no solve to learn from
-            why = ("the rollouts solve nearly every problem: little left to learn" if r["solved"] >= .5 else
-                   "the policy solves too few problems: more SFT (--sft-steps, --demos) or another --seed")
-            print(f"warning: {dead} of {step} RL steps had no solve group (a solve and a miss): {why}")
+            print(f"warning: no solve group (a solve and a miss: the solves RL reinforces) in the last "
+                  f"{min(step, args.eval_every)} RL steps; {r['solved']:.0%} of this step's rollouts solve"
+                  + ("" if r["solved"] >= .5 else ": more SFT (--sft-steps, --demos) or another --seed"))
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
             with open(log_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
@@ -478,8 +467,7 @@ def show_unmasking(model, task, prompt, args):
           f" $ the end):\n" + textwrap.fill(states, 100, initial_indent="    ", subsequent_indent="    "))
     return task.decode(y[0].cpu())
 
-# -----------------------------------------------------------------------------
-# 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task
+# 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task ------------------------
 
 def bench_memory(args, task):
     """One on-policy update (forward and backward, no optimizer step) of an RL batch, untied random rewards,
@@ -507,8 +495,7 @@ def bench_memory(args, task):
               + (f" | {naive['cuda_mb']:>22.1f} {bgpo['cuda_mb']:>8.1f}" if cuda else "") + oom)
     return rows
 
-# -----------------------------------------------------------------------------
-# 5. The command line
+# 5. The command line ----------------------------------------------------------------------------------------
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, without the usage dump
@@ -527,7 +514,7 @@ def make_parser():
         help=f"the defaults of the flags below; auto: gpu on CUDA (as its card holds), else cpu; gpu: "
              f"{SIZES['gpu']}")
     run("--dtype", choices=["float32", "bfloat16"],
-        help="forward passes (float32: with TF32 matmuls on CUDA; None: bf16 on CUDA from Ampere on)")
+        help="forward passes (None: bf16 on CUDA from Ampere on, else float32; TF32 matmuls from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
     run("--run-name", help="the RL run's folder (None: task_objective_ntN[_mbN]_seedN[_gpu][_Nprocesses])")
     run("--resume", action="store_true", help="continue the RL run in --run-name from its last checkpoint")
@@ -582,15 +569,13 @@ def check_args(p, args):
     if args.resume and not os.path.isfile(ckpt):
         p.error(f"--resume: no run to resume at {ckpt}")
     if args.prompt is not None and not re.fullmatch(task.prompt_pattern, args.prompt):
-        example = task.sample(1, "test", 0)[0][0]
-        p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {example!r}")
+        p.error(f"--prompt {args.prompt!r}: not a {args.task} problem like {task.sample(1, 'test', 0)[0][0]}")
     return args
 
 def pick_device(p, device):
     """--device auto: CUDA, then Apple's MPS, then the CPU; under torchrun a process's own GPU, or the CPU."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else \
-            "cpu"
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    device = ("cuda" if cuda else "mps" if mps else "cpu") if device == "auto" else device
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:   # each process on its own GPU (NCCL), or on the CPU (gloo)
         device = f"cuda:{os.environ['LOCAL_RANK']}" if device.startswith("cuda") else "cpu"
     try:
@@ -599,30 +584,23 @@ def pick_device(p, device):
         p.error(f"--device {device} is not available here")
     return device
 
-def fit_size(device, size, dtype):
-    """The defaults the device sets: --dtype bf16 where the card has bf16 tensor cores (Ampere on), else
-    float32; with --size auto on CUDA the GPU size with the most masked copies a backward (--mc-chunk 8, 4,
-    2 or 1) whose activations fit in half the card's memory, else the CPU size. Returns size, defaults, why"""
-    card = torch.cuda.get_device_properties(device) if device.startswith("cuda") else None
-    dtype = dtype or ("bfloat16" if card and (card.major, card.minor) >= (8, 0) else "float32")
-    if size != "auto" or not card:
-        why = size == "auto" and (f"--device {device}" if torch.cuda.is_available() else "no CUDA device")
-        return size.replace("auto", "cpu"), {"dtype": dtype}, why or ""
-    gib = card.total_memory / 2**30
-    chunk = next((c for c in (8, 4, 2, 1) if c * COPY_GIB[dtype] <= gib / 2), None)
-    why = f"{card.name}, {gib:.0f} GiB, {dtype}: " + (f"--mc-chunk {chunk}" if chunk else "too small a card")
-    return "gpu" if chunk else "cpu", {"dtype": dtype, "mc_chunk": chunk or 1}, why
-
 def parse_args(argv=None):
+    """The flags, and where one is not given the default the device sets: --dtype bf16 on cards with bf16
+    tensor cores (Ampere on), else float32; BGPO's --mc-chunk, the most masked copies (8, 4, 2, 1) whose
+    activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's."""
     p = make_parser()
     given = p.parse_known_args(argv)[0]
     device = pick_device(p, given.device)
-    size, defaults, why = fit_size(device, given.size, given.dtype)
-    p.set_defaults(**{**SIZES[size], **defaults})   # --size's and the card's defaults; the flags given win
-    if given.objective == "naive":   # one graph over the n_t copies: --mc-chunk is BGPO's
-        p.set_defaults(mc_chunk=1)
+    card = torch.cuda.get_device_properties(device) if device.startswith("cuda") else None
+    dtype = given.dtype or ("bfloat16" if card and (card.major, card.minor) >= (8, 0) else "float32")
+    gib = card.total_memory / 2**30 if card else 0.0
+    chunk = next((c for c in (8, 4, 2, 1) if c * COPY_GIB[dtype] <= gib / 2), 0)   # 0: no card holds one
+    size = given.size if given.size != "auto" else "gpu" if chunk else "cpu"
+    why = (f"{card.name}, {gib:.0f} GiB, {dtype}: " + (f"--mc-chunk {chunk}" if chunk else "too small a card")
+           if card else f"--device {device}" if torch.cuda.is_available() else "no CUDA device")
+    p.set_defaults(**SIZES[size], dtype=dtype, mc_chunk=chunk if given.objective == "bgpo" and chunk else 1)
     args = p.parse_args(argv)
-    args.device, args.size, args.size_auto = device, size, why and f" (--size auto: {why})"   # said first
+    args.device, args.size, args.size_auto = device, size, f" (--size auto: {why})" * (given.size == "auto")
     return check_args(p, args)
 
 def sft_model(args, task):
@@ -632,15 +610,9 @@ def sft_model(args, task):
     print(f"loading the SFT model {sft_path(args)}")
     return load_model(sft_path(args), task, args)
 
-def describe_run(args):
-    """What made a run, for run.json beside its checkpoint: the command, the flags, the code, the machine."""
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"command": sys.argv, "flags": vars(args), "commit": commit or None, "torch": torch.__version__,
-            "device": args.device, "threads": torch.get_num_threads(), "processes": args.world}
+def describe_run(args):   # what made a run, for run.json beside its checkpoint: the command, flags, machine
+    return {"command": sys.argv, "flags": vars(args), "torch": torch.__version__, "device": args.device,
+            "threads": torch.get_num_threads(), "processes": args.world}
 
 NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
                "mc_chunk")   # flags that change no number of a run (--mc-chunk: only float rounding)

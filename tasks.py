@@ -29,8 +29,7 @@ from itertools import permutations
 
 import torch
 
-# -----------------------------------------------------------------------------
-# Tokenizer: one character per token, plus three special tokens with distinct ids.
+# Tokenizer: one character per token, plus three special tokens with distinct ids ----------------------------
 
 PAD, MASK, EOS = "<pad>", "<mask>", "<eos>"
 CHARS = "0123456789+-*/()=,:|."
@@ -81,8 +80,7 @@ class Tokenizer:
 
 TOKENIZER = Tokenizer()
 
-# -----------------------------------------------------------------------------
-# Shared helpers: seeded sampling, split by hash, safe parsing of untrusted text.
+# Shared helpers: seeded sampling, split by hash, safe parsing of untrusted text -----------------------------
 
 MAX_TEXT = 64  # rewards look at no more than this many characters of model output
 
@@ -195,8 +193,7 @@ class Task:
     def decode(self, ids, stop_at_eos=True):
         return self.tokenizer.decode(ids, stop_at_eos)
 
-# -----------------------------------------------------------------------------
-# Task 1: multi-digit addition.
+# Task 1: multi-digit addition -------------------------------------------------------------------------------
 
 @dataclass
 class Arithmetic(Task):
@@ -232,8 +229,7 @@ class Arithmetic(Task):
             return 0.0
 
 
-# -----------------------------------------------------------------------------
-# Task 2: Countdown with three numbers.
+# Task 2: Countdown with three numbers -----------------------------------------------------------------------
 
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
 
@@ -306,8 +302,7 @@ class Countdown(Task):
         return 1.0 if sorted(used) == numbers and value == target else 0.1
 
 
-# -----------------------------------------------------------------------------
-# Task 3: 4x4 Sudoku.
+# Task 3: 4x4 Sudoku -----------------------------------------------------------------------------------------
 
 def _all_sudoku_grids():
     """All 288 valid 4x4 grids (rows, columns and 2x2 boxes hold 1..4), as 16-char strings, in
@@ -375,8 +370,7 @@ class Sudoku(Task):
         right = sum(1 for i in blanks if i < len(answer) and answer[i] == solutions[0][i])
         return right / len(blanks)
 
-
-# -----------------------------------------------------------------------------
+# The tasks by name, and their token tensors -----------------------------------------------------------------
 
 TASKS = {"arithmetic": Arithmetic, "countdown": Countdown, "sudoku": Sudoku}
 

@@ -96,8 +96,7 @@ def exact_elbo(model, prompt, completion):
     k = masks.sum(1)
     return (a / (k * torch.tensor([math.comb(masks.shape[1], int(j)) for j in k]).to(a))).sum()
 
-# -----------------------------------------------------------------------------
-# The model and the sampler
+# The model and the sampler ----------------------------------------------------------------------------------
 
 def test_mask_is_never_predicted():
     model = tiny_model()
@@ -151,8 +150,7 @@ def test_generate_leaves_no_mask_fills_blocks_in_order_and_is_deterministic_when
     with pytest.raises(ValueError, match="steps"):
         generate(model, x, 8, steps=9)
 
-# -----------------------------------------------------------------------------
-# Tasks: tokenizer, splits and rewards
+# Tasks: tokenizer, splits and rewards -----------------------------------------------------------------------
 
 def test_tokenizer_round_trip():
     for name in TASK_NAMES:
@@ -230,8 +228,7 @@ def test_every_prompt_matches_its_tasks_pattern_and_others_do_not():
     assert not re.fullmatch(get_task("countdown").prompt_pattern, "15,4:64")
     assert not re.fullmatch(get_task("sudoku").prompt_pattern, "12.4|3.1.|....|..5.")
 
-# -----------------------------------------------------------------------------
-# The ELBO: exact value by enumeration, and its Monte Carlo estimates
+# The ELBO: exact value by enumeration, and its Monte Carlo estimates ----------------------------------------
 
 def test_exact_elbo_by_enumeration_equals_the_mean_over_mask_counts_by_hand():
     """At L = 2 the ELBO is a short sum: k = 1 or 2 with probability 1/2 each; k = 1 masks one of the two
@@ -335,8 +332,7 @@ def test_each_stratified_count_is_uniform_where_llada_rounding_is_not():
     print(f"LLaDA's count maps differ from this code's at {len(differ)} of 128 (L, n_t), all half-integer")
     assert len(differ) == 52, len(differ)
 
-# -----------------------------------------------------------------------------
-# The objectives: equivalence on-policy, the bound off-policy, memory
+# The objectives: equivalence on-policy, the bound off-policy, memory ----------------------------------------
 
 def on_policy_setup(M=6, seed=0):
     model = tiny_model(seed)
@@ -627,8 +623,7 @@ def test_bad_shapes_raise_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(torch.zeros(6), 4)
 
-# -----------------------------------------------------------------------------
-# The script: SFT, checkpoints, the RL loop, resume, the command line
+# The script: SFT, checkpoints, the RL loop, resume, the command line ----------------------------------------
 
 def tiny_argv(tmp_path, *extra):
     """Command-line flags for a model and run small enough to train in seconds."""
@@ -726,12 +721,13 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
 
 @pytest.mark.parametrize("rewards, warning", [
     ("solve, miss, ...", None),
-    ("all missed", "1 of 1 RL steps had no solve group (a solve and a miss): the policy solves too few"),
-    ("all solved", "1 of 1 RL steps had no solve group (a solve and a miss): the rollouts solve nearly")])
+    ("all missed", "in the last 1 RL steps; 0% of this step's rollouts solve: more SFT (--sft-steps"),
+    ("all solved", "in the last 1 RL steps; 100% of this step's rollouts solve\n")])
 def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, rewards,
                                                                      warning):
     """Only a group with both a solve and a miss reinforces a solve. A run without one used to go on in
-    silence (the SFT model of a plateau solved nothing); it now warns at each evaluation, with what to do."""
+    silence (the SFT model of a plateau solved nothing); it now warns at each evaluation, with the share of
+    rollouts that solve, and what to do when it is small."""
     real = bgpo.sample_rollouts
 
     def scripted_rollouts(model, task, prompts, args, generator):
@@ -744,7 +740,8 @@ def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, mo
     out = capsys.readouterr().out
     record = read_log(tmp_path / "arithmetic_bgpo_nt4_seed0" / "log.jsonl")[1]
     assert record["solve_groups"] == (1.0 if warning is None else 0.0)
-    assert ("warning:" not in out) if warning is None else ("warning: " + warning in out), out[-600:]
+    expected = "warning: no solve group (a solve and a miss: the solves RL reinforces) " + (warning or "")
+    assert ("warning:" not in out) if warning is None else (expected in out), out[-600:]
 
 def test_one_on_policy_adamw_step_gives_the_same_parameters_for_bgpo_and_naive():
     model, x, y, mc, old_terms, A = on_policy_setup()
@@ -990,10 +987,10 @@ CARDS = {"RTX 4090": (24, 8, 9), "A100 80GB": (80, 8, 0), "RTX 2070": (8, 7, 5),
                                                ("Quadro K620", "float32", None)])
 def test_size_auto_fits_the_card(monkeypatch, card, dtype, chunk):
     """--size auto (the default) on CUDA takes the GPU size's defaults with the most masked copies a backward
-    (8, 4, 2 or 1) whose activations, COPY_GIB each, fit in half the card's memory, or the CPU size's where
-    even one does not. By hand: 8 GB (7.45 GiB) in float32 has 3.73 GiB for 2 x 1.06, not 4 (4.24); a T4's 15
-    GB (13.97 GiB) 6.98 for 4; 2 GB 0.93, not one. bf16 from compute capability 8.0. The card is faked (its
-    properties, and the device)."""
+    (8, 4, 2 or 1, at every size) whose activations, COPY_GIB each, fit in half the card's memory, or the CPU
+    size's where even one does not. By hand: 8 GB (7.45 GiB) in float32 has 3.73 GiB for 2 x 1.06, not 4
+    (4.24); a T4's 15 GB (13.97 GiB) 6.98 for 4; 2 GB 0.93, not one. bf16 from compute capability 8.0. The
+    card is faked (its properties, and the device)."""
     gb, major, minor = CARDS[card]
     memory = gb * 10**9
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -1009,8 +1006,8 @@ def test_size_auto_fits_the_card(monkeypatch, card, dtype, chunk):
     given = bgpo.parse_args(["--mc-chunk", "1", "--n-layer", "2", "--dtype", "float32"])   # the flags win
     assert (given.mc_chunk, given.n_layer, given.dtype) == (1, 2, "float32")
     assert bgpo.parse_args(["--objective", "naive"]).mc_chunk == 1   # no chunks: one graph
-    explicit = bgpo.parse_args(["--size", "gpu"])   # --size gpu: the size as written
-    assert (explicit.size, explicit.mc_chunk, explicit.size_auto) == ("gpu", 8, "")
+    explicit = bgpo.parse_args(["--size", "gpu"])   # --size gpu: that size, with the card's --mc-chunk
+    assert (explicit.size, explicit.mc_chunk, explicit.size_auto) == ("gpu", chunk or 1, "")
     told = bgpo.parse_args(["--device", "cpu"])   # a CUDA machine, told --device cpu
     assert (told.size, told.dtype, told.size_auto) == ("cpu", "float32", " (--size auto: --device cpu)")
 
@@ -1032,8 +1029,8 @@ def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(t
     """A torch.OutOfMemoryError (simulated on the CPU in an RL step's rollouts) at the GPU size ends the run
     with one line and exit code 2. Before the first checkpoint (step 2 here) it names --overwrite, after it
     --resume, each with half the --mc-chunk; then --size cpu. Each remedy, run as printed, finishes a run."""
-    argv = tiny_argv(tmp_path, "--size", "gpu", "--rl-steps", "3", "--eval-every", "2", "--sft-steps", "2",
-                     "--sft-eval-every", "2", "--stage", "all")
+    argv = tiny_argv(tmp_path, "--size", "gpu", "--mc-chunk", "8", "--rl-steps", "3", "--eval-every", "2",
+                     "--sft-steps", "2", "--sft-eval-every", "2", "--stage", "all")   # a card's --mc-chunk 8
     real, rollouts = tiny_dllm.generate, []
 
     def out_of_memory(*args, **kwargs):
@@ -1105,8 +1102,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
                       weights_only=True)
     assert kept["step"] == 1
 
-# -----------------------------------------------------------------------------
-# Data parallel: two gloo processes on the CPU against one process, on the same batch
+# Data parallel: two gloo processes on the CPU against one process, on the same batch ------------------------
 
 DP_ARGV = ["--task", "arithmetic", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--device", "cpu",
            "--prompts-per-step", "8", "--group-size", "2", "--mc-samples", "8", "--rl-steps", "1",

@@ -33,8 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# -----------------------------------------------------------------------------
-# Config
+# Config -----------------------------------------------------------------------------------------------------
 
 @dataclass
 class ModelConfig:
@@ -54,8 +53,7 @@ class ModelConfig:
         if not 0 <= self.mask_id < self.vocab_size:
             raise ValueError(f"mask_id: {self.mask_id} is outside the vocabulary of {self.vocab_size}")
 
-# -----------------------------------------------------------------------------
-# Model: a bidirectional transformer with no time input
+# Model: a bidirectional transformer with no time input ------------------------------------------------------
 
 class Block(nn.Module):
     def __init__(self, config):
@@ -117,8 +115,7 @@ class TinyDLLM(nn.Module):
         logits = self.head(self.ln_f(h)).to(self.head.weight.dtype)
         return logits.masked_fill(self.never_predict, float("-inf"))
 
-# -----------------------------------------------------------------------------
-# Forward process: which completion tokens are masked, and the weight of each masked copy
+# Forward process: which completion tokens are masked, and the weight of each masked copy --------------------
 
 def mask_by_count(k, L, generator=None):
     """(N,) mask counts -> (N, L) bool masks with exactly k[n] positions chosen uniformly."""
@@ -180,8 +177,7 @@ def sft_loss(model, prompts, completions, generator=None, scheme="stratified"):
     logp = masked_log_likelihood(model, prompts, completions, mask)
     return -(weight.to(logp.dtype) * logp).mean() / L
 
-# -----------------------------------------------------------------------------
-# Sampler: iterative unmasking with low-confidence remasking (LLaDA, Nie et al. 2025)
+# Sampler: iterative unmasking with low-confidence remasking (LLaDA, Nie et al. 2025) ------------------------
 
 @torch.no_grad()
 def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.0, generator=None,
@@ -228,8 +224,7 @@ def generate(model, prompts, gen_len, steps=None, block_len=None, temperature=0.
     completions = tokens[:, P:]
     return (completions, committed_at) if return_steps else completions
 
-# -----------------------------------------------------------------------------
-# Activation memory: the bytes autograd holds for backward, which BGPO keeps flat in n_t; one update measured
+# Activation memory: the bytes autograd keeps for backward (BGPO: flat in n_t); one update measured ----------
 
 class ActivationMemory(torch.autograd.graph.saved_tensors_hooks):
     """While active (a with block), counts the peak bytes of distinct tensors saved for backward,

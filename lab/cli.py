@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 import sys
 
 import bgpo
@@ -55,6 +56,15 @@ def settings_hash(p, args):
     changed = {name: value for name, value in sorted(given.items()) if name in defaults
                and name not in IN_WORDS + NOT_RESULTS and value != defaults[name]}
     return "_" + hashlib.sha1(repr(changed).encode()).hexdigest()[:6] if changed else ""
+
+def describe_run(args):
+    """bgpo.describe_run (the command, the flags, the machine) and the code's commit: a lab run's run.json."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                cwd=os.path.dirname(bgpo.__file__) or ".", timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {**bgpo.describe_run(args), "commit": commit or None}
 
 def write_json(path, obj):
     """A run's JSON record, written as bgpo.py writes its files: a temporary file, then rename."""

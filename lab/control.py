@@ -45,7 +45,7 @@ def run_control(args, task):
     os.makedirs(out, exist_ok=True)
     if os.path.isfile(os.path.join(out, "final.json")):
         os.remove(os.path.join(out, "final.json"))   # the replaced control's score
-    cli.write_json(os.path.join(out, "run.json"), bgpo.describe_run(args))
+    cli.write_json(os.path.join(out, "run.json"), cli.describe_run(args))
     result = evaluate(model, task, test_prompts, args)
     print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that "
           f"{args.run_name} took\n"

@@ -310,7 +310,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
         print("RL step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool, tracked))
     os.makedirs(run_dir, exist_ok=True)
     if not args.resume:
-        cli.write_json(os.path.join(run_dir, "run.json"), bgpo.describe_run(args))
+        cli.write_json(os.path.join(run_dir, "run.json"), cli.describe_run(args))
     with open(log_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(log_path + ".tmp", log_path)
