@@ -1054,6 +1054,20 @@ def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(t
         said = "--mc-chunk 4, where the run had 8: in other memory" in capsys.readouterr().out
         assert said == (remedy[0] == "--resume"), f"{remedy}: a resume says its other --mc-chunk"
 
+def test_out_of_gpu_memory_at_the_cpu_size_names_the_cpu(tmp_path, monkeypatch, capsys):
+    """At the CPU size with --mc-chunk 1 (a small card's) the out-of-memory line has no smaller size or chunk
+    to name: it names the CPU device (simulated on the CPU, in RL step 1's rollouts)."""
+    real = tiny_dllm.generate
+
+    def out_of_memory(*args, **kwargs):
+        if kwargs.get("temperature", 0) > 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tiny_dllm, "generate", out_of_memory)   # what bgpo.py imports as a script
+    code, err = run_script(tiny_argv(tmp_path, "--size", "cpu", "--sft-steps", "2", "--sft-eval-every", "2"),
+                           monkeypatch, capsys)
+    assert (code, err) == (2, "bgpo.py: error: out of GPU memory: --device cpu runs it on the CPU\n"), err
+
 def test_out_of_gpu_memory_in_sft_ends_the_script_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Out of memory outside RL's steps (here SFT's first step, simulated on the CPU): one line naming the CPU
     size, exit code 2, no traceback."""
