@@ -12,7 +12,7 @@ in value and gradient: BGPO's update IS the naive gradient, accumulated one mask
 (--minibatches 2) the two differ. Departures from the paper: the README's last section, and where made.
 
 Shapes: B rows of a batch, one rollout each (prompts x G; under torchrun, a process's share), G rollouts per
-prompt, M masked copies per rollout in a tensor (n_t; in bgpo_backward a chunk of --mc-chunk of them), L
+prompt, M masked copies per completion in a tensor (n_t; in bgpo_backward a chunk of --mc-chunk of them), L
 completion length, P prompt length, T = P + L, V vocab.
 """
 import argparse
@@ -173,8 +173,8 @@ def everyone(obj, args):   # data parallel (torchrun): [obj of process 0, obj of
     return gathered
 
 def average_gradients(model, args, *stats):
-    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer per optimizer
-    step. Syncing after each masked copy's backward (DDP's default, unless no_sync) sends n_t times more."""
+    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer per mini-batch
+    (one with no signal too, which then makes no step). DDP, unless no_sync, syncs after each backward."""
     if args.world == 1:
         return list(stats)
     params = list(model.parameters())
@@ -309,7 +309,7 @@ def run_sft(args, task):
         seconds += time.time() - t0
         if step % args.sft_eval_every and step < args.sft_steps:
             continue
-        val = evaluate(model, task, val_prompts, args)   # the held-out problems: first scored at RL step 0
+        val = evaluate(model, task, val_prompts, args)   # the test problems wait for RL step 0
         curve.append({"step": step, "loss": float(sum(losses)) / len(losses), "val_reward": val["reward"],
                       "val_accuracy": val["accuracy"], "seconds": seconds})
         losses, improved = [], best is None or val["reward"] > best["val_reward"]
@@ -340,10 +340,10 @@ def sample_rollouts(model, task, prompts, args, generator):
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
 def held_out_eval(model, task, args, record):
-    """Greedy answers to the held-out problems: adds their scores to an RL step's log record; returns text."""
+    """Greedy answers to the test problems: adds their scores to an RL step's log record; returns text."""
     result = evaluate(model, task, held_out(task, args), args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
-    return (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"
+    return (f"test accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"
             + "\n".join(result["examples"]))
 
 def rows_to_update(rows, A, x, y, mc, old_terms, args):
@@ -360,7 +360,7 @@ def rows_to_update(rows, A, x, y, mc, old_terms, args):
 def run_rl(args, task, model):
     """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers). The
     loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
-    step's log record, and every --eval-every RL steps a held-out evaluation and a checkpoint."""
+    step's log record, and every --eval-every RL steps a test evaluation and a checkpoint."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
@@ -530,7 +530,7 @@ def make_parser():
     sft("--sft-eval-every", type=int, default=50, help="SFT steps between validation scores")
     sft("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
     rl("--objective", choices=["bgpo", "naive"], default="bgpo", help="BGPO's bound or the naive objective")
-    rl("--mc-samples", type=int, default=8, help="masked copies n_t per rollout (MC samples of the ELBO)")
+    rl("--mc-samples", type=int, default=8, help="masked copies n_t per completion (MC samples of the ELBO)")
     rl("--mc-chunk", type=int, default=1, help="masked copies per backward in BGPO (> n_t: all at once)")
     rl("--skip-tied", action=argparse.BooleanOptionalAction, default=True,
        help="leave groups whose rewards tie (A = 0) out of the update: less to compute, a shape that varies")
@@ -539,8 +539,8 @@ def make_parser():
     rl("--rl-steps", type=int, default=200, help="RL steps, one rollout batch each; more on --resume: longer")
     rl("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     rl("--group-size", type=int, default=8, help="rollouts per prompt, G")
-    rl("--eval-every", type=int, default=50, help="RL steps between held-out evaluations and checkpoints")
-    rl("--eval-size", type=int, default=1000, help="held-out problems (the task's test split)")
+    rl("--eval-every", type=int, default=50, help="RL steps between test evaluations and checkpoints")
+    rl("--eval-size", type=int, default=1000, help="test problems, the first of the task's test split")
     return p
 
 def check_args(p, args):
@@ -646,7 +646,7 @@ def main(argv=None):
             torch.cuda.set_device(args.device)   # NCCL's collectives work on the current device
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         sys.stdout = sys.stdout if args.rank == 0 else open(os.devnull, "w")   # one voice (errors: every one)
-    # The GPU path, set up as in nanoGPT's train.py: TF32 matmuls; bf16 autocast where autocast(args) says
+    # CUDA: TF32 matmuls (cards from Ampere on) and bf16 autocast (autocast(args)), as nanoGPT's train.py
     torch.set_float32_matmul_precision("high" if args.device.startswith("cuda") else "highest")
     task, t0 = get_task(args.task), time.time()
     if args.bench_memory:   # what the flags ask for: the memory table, an answer to --prompt, or SFT then RL
@@ -666,7 +666,7 @@ def main(argv=None):
     if args.stage == "sft":
         return model
     try:
-        history = run_rl(args, task, model)   # its records with a held-out evaluation (step 0: SFT's)
+        history = run_rl(args, task, model)   # its records with a test evaluation (step 0: SFT's)
     except torch.OutOfMemoryError:   # the remedies that work from where the run stopped
         again = "--resume" if os.path.isfile(ckpt) else "--overwrite"   # no checkpoint yet: start it again
         less = f"{again} --mc-chunk {args.mc_chunk // 2} uses less memory, or " if args.mc_chunk > 1 else ""
@@ -675,9 +675,9 @@ def main(argv=None):
     before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
                      for m in (load_model(sft_path(args), task, args), model))
     gain, half = paired_gain(before, after)
-    print(f"\nheld-out accuracy {sum(before) / len(before):.1%} -> {sum(after) / len(after):.1%} after "
+    print(f"\ntest accuracy {sum(before) / len(before):.1%} -> {sum(after) / len(after):.1%} after "
           f"{history[-1]['step']} RL steps: {100 * gain:+.1f} points, 95% interval "
-          f"[{100 * (gain - half):+.1f}, {100 * (gain + half):+.1f}] on {len(after)} problems\n"
+          f"[{100 * (gain - half):+.1f}, {100 * (gain + half):+.1f}] on {len(after)} test problems\n"
           f"({args.run_name}: {time.time() - t0:.0f} s on {args.device}"
           + (f", CUDA peak {torch.cuda.max_memory_allocated(args.device) / 2**20:,.0f} MiB" if
              args.device.startswith("cuda") else "") + ")\n"

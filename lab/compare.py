@@ -1,5 +1,5 @@
 """
-Several RL runs' curves in one figure: the rollout reward and the held-out accuracy against the RL
+Several RL runs' curves in one figure: the rollout reward and the progress accuracy against the RL
 step (the paper's Fig. 2 in small). A LABEL=RUN,RUN,... argument draws the mean of those runs (seeds)
 as one line.
 

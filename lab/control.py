@@ -7,7 +7,7 @@ run had trained when it reached each of its evaluations, so the two curves share
     python -m lab.control [the RL run's flags]
 
 Writes its own run folder, the RL run's name + "_sft-continued": log.jsonl (step: the RL step with the same
-training seconds; sft_step; seconds; held-out accuracy and reward), ckpt.pt (the last model), run.json, and
+training seconds; sft_step; seconds; progress accuracy and reward), ckpt.pt (the last model), run.json, and
 with --final-eval-size N final.json. It is a weak control by construction: on 500 demonstrations SFT kept its
 model where validation stopped improving, and more SFT memorises them. Rejection-sampling fine-tuning
 (python -m lab.rl --advantages rft) is the fair one.
@@ -49,7 +49,7 @@ def run_control(args, task):
     result = evaluate(model, task, test_prompts, args)
     print(f"control: SFT continued from step {start} for the {budget:.0f} s of training that "
           f"{args.run_name} took\n"
-          f"RL step    0 (SFT step {step:5d}) | held-out accuracy {result['accuracy']:5.1%} "
+          f"RL step    0 (SFT step {step:5d}) | progress accuracy {result['accuracy']:5.1%} "
           f"(reward {result['reward']:.3f}) | 0 s")
     curve = [{"step": 0, "sft_step": step, "seconds": 0.0, "accuracy": result["accuracy"],
               "reward": result["reward"]}]
@@ -61,7 +61,7 @@ def run_control(args, task):
             result, rl_step = evaluate(model, task, test_prompts, args), when.pop(0)[1]
             curve.append({"step": rl_step, "sft_step": step, "seconds": spent, "accuracy": result["accuracy"],
                           "reward": result["reward"]})
-            print(f"RL step {rl_step:4d} (SFT step {step:5d}) | held-out accuracy {result['accuracy']:5.1%} "
+            print(f"RL step {rl_step:4d} (SFT step {step:5d}) | progress accuracy {result['accuracy']:5.1%} "
                   f"(reward {result['reward']:.3f}) | {spent:.0f} s")
     with open(os.path.join(out, "log.jsonl.tmp"), "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in curve)
@@ -81,7 +81,7 @@ def run_control(args, task):
 def main(argv=None):
     p = cli.make_parser("python -m lab.control", __doc__.strip().split("\n\n")[0])
     p.add_argument("--final-eval-size", type=int, default=0,
-                   help="held-out problems on which the SFT model and the last one are scored (final.json)")
+                   help="test problems on which the SFT model and the last one are scored (final.json)")
     p.add_argument("--pass-at-k-size", type=int, default=0,
                    help="of those, the first N also get pass@k, as python -m lab.rl's (final.json); 0: none")
     args = cli.check_args(p, p.parse_args(argv))

@@ -26,7 +26,7 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     min(#solved, #not solved) pairs of a solved (reward 1) and an unsolved completion; dtrpo_dpo_loss
     trains the model on them against the frozen SFT model. Each epoch prints the exact trajectory
     margin on the pairs (every step, trajectory_log_likelihood), the quantity the one-step-per-block
-    estimate stands for, and the held-out accuracy."""
+    estimate stands for, and the progress accuracy."""
     generator = torch.Generator().manual_seed(args.seed + 4)
     eval_prompts = held_out(task, args)
     prompts = task.sample(n_prompts, "train", generator)[0]
@@ -62,7 +62,7 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
               "estimate_sd": (one - exact).std().item()}
     print(f"{len(win)} pairs from {n_prompts} prompts x G = {args.group_size}"
           f" (solved share {solved.float().mean():.3f});"
-          f" held-out accuracy of the SFT model {result['accuracy'][0]:.1%}")
+          f" progress accuracy of the SFT model {result['accuracy'][0]:.1%}")
     print(f"log-likelihood margin of the pairs, solved - unsolved (all steps): mean {result['margin']:+.2f},"
           f" sd {result['margin_sd']:.2f} nats;"
           f" one step per block misses it by {result['estimate_sd']:.2f} nats (sd)")
@@ -80,7 +80,7 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
         (up, down), accuracy = shifts(), evaluate(model, task, eval_prompts, args, n_show=0)["accuracy"]
         result["accuracy"].append(accuracy)
         print(f"epoch {epoch + 1}: exact log-ratio to the SFT model, solved {up:+.3f}, unsolved {down:+.3f}"
-              f" (margin {up - down:+.3f}); held-out accuracy {accuracy:.1%}")
+              f" (margin {up - down:+.3f}); progress accuracy {accuracy:.1%}")
     return result
 
 

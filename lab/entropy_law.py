@@ -4,7 +4,7 @@ Language Models", arXiv 2505.22617), fitted to this model's RL runs:
 
     R = -a exp(H) + b
 
-R is a run's greedy held-out accuracy and H the entropy of its policy's predictions (nats per masked position:
+R is a run's greedy progress accuracy and H the entropy of its policy's predictions (nats per masked position:
 lab.rl's eval_entropy), both at each evaluation of the run. Linear in exp(H), so the fit is least squares in
 closed form. Its ceiling, the accuracy the law predicts once the entropy is spent (H = 0), is b - a.
 
@@ -80,7 +80,7 @@ def law_figure(runs, groups, laws):
         grid = [low + (high - low) * i / 50 for i in range(51)]
         lines.append({"label": f"R = {-a:.3f} exp(H) + {b:.3f}", "x": grid, "y": [b - a * math.exp(h)
                       for h in grid], "style": "--", "color": colour[group]})
-    return {"panels": [{"title": "held-out accuracy against the policy's entropy, every evaluation of a run",
+    return {"panels": [{"title": "progress accuracy against the policy's entropy, every evaluation of a run",
                         "xlabel": "entropy (nats per masked position)", "lines": lines}], "width": 7.0}
 
 def main(argv=None):

@@ -5,7 +5,7 @@ Models", arXiv 2505.22617, measured in a masked diffusion LM).
 
     python -m lab.entropy_mechanism [--seed S] [--lr 0.001] [--prompts 200] [--checkpoint CKPT] [flags]
 
-H is the mean entropy of the denoiser's predictions at the masked positions of held-out prompts with the whole
+H is the mean entropy of the denoiser's predictions at the masked positions of test prompts with the whole
 completion masked (the sampler's first step, lab.rl's eval_entropy). For a softmax p = softmax(z) at one
 position, dH/dz_v = -p_v (log p_v + H), so a change dz of the logits changes H by about
 
@@ -90,7 +90,7 @@ def measure(model, x, y, mc, A, held_out, gen_len, lr):
 def main(argv=None):
     p = cli.make_parser("python -m lab.entropy_mechanism", __doc__.strip().split("\n\n")[0])
     p.add_argument("--lr", type=float, default=0.001, help="the plain gradient step's size")
-    p.add_argument("--prompts", type=int, default=200, help="held-out prompts whose entropy is measured")
+    p.add_argument("--prompts", type=int, default=200, help="test prompts whose entropy is measured")
     p.add_argument("--checkpoint", default=None,
                    help="an RL run's ckpt.pt, measured instead of the SFT model, on its own rollouts")
     args = cli.check_args(p, p.parse_args(argv))
@@ -109,7 +109,7 @@ def main(argv=None):
     held_out = encode(task, bgpo.held_out(task, args)[:args.prompts], device=args.device)
     H, rows = measure(model, x, y, mc, A, held_out, task.gen_len, args.lr)
     where = f"seed {args.seed}" + (f", {args.checkpoint}" if args.checkpoint else "")
-    print(f"{task.name}, {where}: entropy {H:.4f} nats per masked position on {len(held_out)} held-out "
+    print(f"{task.name}, {where}: entropy {H:.4f} nats per masked position on {len(held_out)} test "
           f"prompts; one rollout batch ({int((A != 0).sum())} of {B} rows with A != 0), a plain step of "
           f"{args.lr}")
     print(f"{'terms':<18} {'share':>6} {'dH / lr measured':>17} {'-Cov(log p, dz) / lr':>21}")

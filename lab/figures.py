@@ -10,7 +10,7 @@ def read_log(path):
 
 def curves_figure(runs):
     """The paper's Fig. 2 in small: {label: a run's log.jsonl records} -> the rollout reward (mean of the
-    last 10 steps; a single run also shows each step's) and the held-out accuracy against the RL step."""
+    last 10 steps; a single run also shows each step's) and the progress accuracy against the RL step."""
     reward, accuracy = [], []
     for label, records in runs.items():
         steps, evals = [r for r in records if "reward" in r], [r for r in records if "accuracy" in r]
@@ -23,11 +23,11 @@ def curves_figure(runs):
                          "style": "o-"})
     return {"panels": [{"title": "rollout reward (mean of the last 10 steps)", "xlabel": "RL step",
                         "lines": reward},
-                       {"title": "held-out accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
+                       {"title": "progress accuracy (greedy)", "xlabel": "RL step", "lines": accuracy}]}
 
 def stages_figure(sft_curve, rl_records, control=None):
     """SFT, then RL, against training seconds: the SFT checkpoint's curve (greedy validation accuracy: SFT
-    scores no held-out problem), and from the selected SFT model on, the RL run's held-out accuracy beside
+    scores no test problem), and from the selected SFT model on, the RL run's progress accuracy beside
     the control's (SFT continued for the same time). sft_curve: the SFT checkpoint's "curve"; rl_records:
     log.jsonl; control: control.jsonl, if the control was run."""
     best = max(sft_curve, key=lambda c: c["val_reward"])      # the first best, the one SFT keeps

@@ -23,7 +23,7 @@ What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consu
    - `bgpo.py --task arithmetic` and `--task sudoku`, cut at the time limit (arithmetic.log,
      sudoku.log);
    - Countdown again with `--demos 0` (SFT on fresh demonstrations every step): one run, a screen of what
-     stands between the GPU size and 50% held-out (after the first in countdown.log).
+     stands between the GPU size and 50% test accuracy (after the first in countdown.log).
 The dry run runs each kind of command once (not the other two tasks, nor --graphs), side by side.
 The GPU's utilisation is sampled every 0.5 s (nvidia-smi, util.csv); report.md gives, for each command, its
 exit status, seconds, mean utilisation and the lines that carry its result.
@@ -82,7 +82,7 @@ def commands(runs_dir, dry_run):
 # the lines of a log that carry a command's result
 RESULT = re.compile(r"^(model .*|  s/step.*|profile of .*|  longest on .*|torch.compile: .*|"
                     r"\s*[\d.]+\s+[\d.]+x .*| n_t \|.*|\s+\d+ \| .*|"
-                    r"kept the SFT model.*|held-out accuracy .*|\(\S+: \d+ s on .*|RL step +\d+ .*held-out.*|"
+                    r"kept the SFT model.*|test accuracy .*|\(\S+: \d+ s on .*|RL step +\d+ .*test acc.*|"
                     r"warning: .*|"
                     r".*(passed|failed|error).*|pytest \d.*|.*Error.*)$")
 

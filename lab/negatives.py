@@ -205,7 +205,7 @@ def summarise(units, L):
 
 def describe(path, task, args, n_prompts=2):
     """The measures of the completions a checkpoint's model writes itself: G rollouts of each of the first
-    n_prompts held-out problems, each with its reward, its exact log-likelihood, ELBO and gap per token, and
+    n_prompts test problems, each with its reward, its exact log-likelihood, ELBO and gap per token, and
     how often the sampler writes it. Prints one line per completion; returns the rows."""
     model = bgpo.load_model(path, task, args)
     batch = sample_rollouts(model, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
@@ -214,7 +214,7 @@ def describe(path, task, args, n_prompts=2):
     freq, se = sampler_frequency(model, batch.x, batch.y, args.group_size, args.sampler_draws, args,
                                  torch.Generator().manual_seed(args.seed + 5))
     L, rows = task.gen_len, []
-    print(f"{path}: {args.group_size} rollouts of {n_prompts} held-out problems at T {args.temperature}; "
+    print(f"{path}: {args.group_size} rollouts of {n_prompts} test problems at T {args.temperature}; "
           f"per token: log pi = the random-order log-likelihood, ELBO, gap; freq: share of "
           f"{args.sampler_draws} draws that write it")
     for i, (prompt, text) in enumerate(zip(batch.prompts, batch.texts)):
@@ -228,7 +228,7 @@ def describe(path, task, args, n_prompts=2):
 
 def track(runs, task, per_seed, out_dir, n_prompts=8):
     """Where whole runs moved the SFT model's own answers: per seed, G rollouts of the first n_prompts
-    held-out problems from its SFT model, then their exact log-likelihood and ELBO per token under the SFT
+    test problems from its SFT model, then their exact log-likelihood and ELBO per token under the SFT
     model and under each run's last checkpoint (runs: folder patterns with {seed}), in float32 (the changes
     are tenths of a nat). Prints each seed's mean change per token for the wrong and the right answers, then
     per run the mean over seeds with its interval, and each run minus the first, paired by seed; writes
@@ -323,7 +323,7 @@ def main(argv=None):
     a("--objective", choices=["bgpo", "spg"], default="bgpo",
       help=f"the update measured: BGPO's, or SPG's (beta {SPG_BETA}, mix {SPG_MIX})")
     a("--describe", default=None, metavar="CHECKPOINT",
-      help="instead: the measures of the completions this checkpoint's model writes (2 held-out problems)")
+      help="instead: the measures of the completions this checkpoint's model writes (2 test problems)")
     a("--track", default=None, metavar="RUN,RUN",
       help="instead: the SFT model's answers under these runs' last models; folders with {seed}")
     a("--track-logs", default=None, metavar="RUN,RUN",

@@ -5,11 +5,11 @@ timer (nothing else changes: the run prints and writes what it always does), the
     python -m lab.phases [bgpo.py flags]          # e.g. --seed 10 --out-dir /tmp/phases
 
 The phases: SFT's training steps (run_sft less its evaluations); SFT's greedy evaluations, on the validation
-problems (they choose the model kept) and on held-out ones (bgpo.py scored them before commit 143bc9f);
+problems (they choose the model kept) and on test ones (bgpo.py scored them before commit 143bc9f);
 RL's rollouts (sample_rollouts: the sampler and the verifier), its update (bgpo_backward; with --objective
-naive, naive_loss's forward only, its backward falls in the rest), its held-out evaluations and the rest of
+naive, naive_loss's forward only, its backward falls in the rest), its test evaluations and the rest of
 its steps (advantages, masked copies, the gradient clip, AdamW, the log); the final paired comparison (both
-models on the held-out problems); the rest (setup, the unmasking shown, checkpoints). The timers read the
+models on the test problems); the rest (setup, the unmasking shown, checkpoints). The timers read the
 host's clock without waiting for a GPU: on CUDA a phase's kernels may be counted in a later one.
 """
 import collections
@@ -43,7 +43,7 @@ def main(argv=None):
     held_out = {}   # the same list object for each call, so that an evaluation of it can be told apart
     patches = {"held_out": lambda task, args: held_out.setdefault(task.name, inner["held_out"](task, args)),
                "evaluate": timed("evaluate", lambda model, task, prompts, args: f"{stage[0]}: " + (
-                   "held-out" if prompts is held_out.get(task.name) else "validation")),
+                   "test" if prompts is held_out.get(task.name) else "validation")),
                "sample_rollouts": timed("sample_rollouts", "run_rl: rollouts"),
                "bgpo_backward": timed("bgpo_backward", "run_rl: update"),
                "naive_loss": timed("naive_loss", "run_rl: update"),
@@ -58,15 +58,15 @@ def main(argv=None):
             setattr(bgpo, name, function)
     total = time.perf_counter() - t0
     rows = [("SFT: training steps", seconds["run_sft"] - seconds["run_sft: validation"]
-             - seconds["run_sft: held-out"]),
+             - seconds["run_sft: test"]),
             ("SFT: validation evaluations", seconds["run_sft: validation"]),
-            ("SFT: held-out evaluations", seconds["run_sft: held-out"]),
+            ("SFT: test evaluations", seconds["run_sft: test"]),
             ("RL: rollouts (sampler + verifier)", seconds["run_rl: rollouts"]),
             ("RL: update (forward + backward)", seconds["run_rl: update"]),
-            ("RL: held-out evaluations", seconds["run_rl: held-out"]),
+            ("RL: test evaluations", seconds["run_rl: test"]),
             ("RL: the rest of its steps", seconds["run_rl"] - seconds["run_rl: rollouts"]
-             - seconds["run_rl: update"] - seconds["run_rl: held-out"]),
-            ("final paired comparison", seconds["final: held-out"])]
+             - seconds["run_rl: update"] - seconds["run_rl: test"]),
+            ("final paired comparison", seconds["final: test"])]
     rows.append(("the rest (setup, unmasking shown, checkpoints)", total - sum(s for _, s in rows)))
     print(f"\nwhere the {total:.1f} s went ({bgpo.torch.get_num_threads()} threads):")
     for name, s in rows:

@@ -1,5 +1,5 @@
 """
-The reach of a model: pass@k for k up to 128, from 128 samples of each held-out problem, with each sampler
+The reach of a model: pass@k for k up to 128, from 128 samples of each test problem, with each sampler
 (LLaDA's confidence order, or a uniformly random order: the random-order model that the ELBO bounds) at
 each temperature. Greedy accuracy says what the policy writes; pass@k says what it can write in k tries,
 the ceiling that RL by sampling and reweighting reaches first.
@@ -7,7 +7,7 @@ the ceiling that RL by sampling and reweighting reaches first.
     python -m lab.reach --seed 10 [--problems 100] [--samples 128] [any bgpo.py flag]
 
 The model is bgpo.py's SFT model of the flags (trained first if absent), or --model PATH. The problems are
-the first --problems of the final evaluation's held-out problems (lab.rl --final-eval-size's). Each
+the first --problems of the final evaluation's test problems (lab.rl --final-eval-size's). Each
 (sampler, temperature) draws from a generator seeded alike, so the samplers differ by their order alone.
 """
 import argparse
@@ -31,7 +31,7 @@ def solves(model, task, prompts, n_samples, args, remasking, temperature):
 def main(argv=None):
     p = cli.make_parser("python -m lab.reach",
                         "pass@k up to 128 of an SFT model, per sampler and temperature.")
-    p.add_argument("--problems", type=int, default=100, help="held-out problems")
+    p.add_argument("--problems", type=int, default=100, help="test problems")
     p.add_argument("--samples", type=int, default=128, help="samples per problem (the largest k)")
     p.add_argument("--model", default=None, help="a checkpoint to measure (None: the SFT model of the flags)")
     p.add_argument("--json", default=None, help="write the table here as JSON")
@@ -42,7 +42,7 @@ def main(argv=None):
     model = bgpo.load_model(args.model, task, args) if args.model else bgpo.sft_model(args, task)
     prompts = task.sample(args.problems, "test", 1234)[0]   # draws in order: final.json's first problems
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= args.samples]
-    print(f"pass@k (%) on {len(prompts)} held-out problems, {args.samples} samples each, seed {args.seed}")
+    print(f"pass@k (%) on {len(prompts)} test problems, {args.samples} samples each, seed {args.seed}")
     print(f"{'sampler':<16} {'T':>4} " + " ".join(f"{'@' + str(k):>6}" for k in ks)
           + "  never  always  seconds")
     table = []

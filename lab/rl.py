@@ -6,7 +6,7 @@ sampler and options, and its diagnostics:
 
 NAME: bgpo, naive, naive-two-pass, lemma1-only, lemma2-only, diffu-grpo, stp, dtrpo, spg or trajectory.
 
-run_rl below copies bgpo.run_rl: the same five steps in the same order, the same log.jsonl, held-out
+run_rl below copies bgpo.run_rl: the same five steps in the same order, the same log.jsonl, progress
 evaluations, checkpoints (at every --eval-every) and resume. SFT is bgpo.py's (bgpo.sft_model). With
 --objective bgpo or naive and no lab option it draws the same random numbers in the same order, and sees
 the same rollouts as bgpo.py at every step (a test checks it). What it adds:
@@ -18,8 +18,8 @@ the same rollouts as bgpo.py at every step (a test checks it). What it adds:
    gradient is known), --advantages (Eq. 18's z-score; d1's reward minus the group mean; or rejection-
    sampling fine-tuning's 1 for a solved rollout and 0 otherwise), --reward solved (the task's reward
    without its 0.1 for a well-formed wrong answer), --no-anchors, --rl-pool N (practise on a fixed pool of
-   N training problems and report the accuracy on them beside the held-out one), --final-eval-size N (the
-   SFT model and the final one on N held-out problems, greedy accuracy and entropy, in final.json: the
+   N training problems and report the accuracy on them beside the progress one), --final-eval-size N (the
+   SFT model and the final one on N test problems, greedy accuracy and entropy, in final.json: the
    sweep's tables read it) with --pass-at-k-size N (pass@k at the rollout temperature on the first N of
    them), --sft-stop N (RL from step N of the same SFT run instead of the model SFT keeps), for BGPO
    two levers that spend the policy's entropy slower: --cov-detach F and --entropy-coef C, and two levers for
@@ -97,7 +97,7 @@ def make_parser():
     a("--reward", choices=["task", "solved"], default="task",
       help="what the advantages read: the task's reward, or 1 for a solved problem and 0 otherwise")
     a("--final-eval-size", type=int, default=0,
-      help="held-out problems on which the SFT model and the final one are scored into final.json; 0: none")
+      help="test problems on which the SFT model and the final one are scored into final.json; 0: none")
     a("--pass-at-k-size", type=int, default=0,
       help=f"of those, the first N also get pass@k (k up to {PASS_SAMPLES}) from {PASS_SAMPLES} samples each "
            "at --temperature, in final.json; 0: none")
@@ -116,7 +116,7 @@ def make_parser():
            "0: bgpo.py's SFT, which keeps its best validated model")
     a("--track-answers", type=int, default=0,
       help="log at every evaluation the exact likelihood of the SFT model's G answers to the first N "
-           "held-out problems, wrong and right apart (2^L forward rows per answer); 0: none")
+           "test problems, wrong and right apart (2^L forward rows per answer); 0: none")
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
@@ -247,7 +247,7 @@ def advantages(rewards, args):
     return torch.where(A < 0, args.neg_weight * A, A)
 
 def tracked_answers(model, task, args, n_prompts):
-    """G rollouts of each of the first n_prompts held-out problems from the SFT model, drawn from a stream of
+    """G rollouts of each of the first n_prompts progress problems from the SFT model, drawn from a stream of
     their own: the answers whose exact likelihoods --track-answers logs and lab.negatives --track measures."""
     return sample_rollouts(model, task, held_out(task, args)[:n_prompts], args.group_size, args,
                            torch.Generator().manual_seed(args.seed + 6))
@@ -264,14 +264,14 @@ def track_likelihoods(model, tracked, record):
             record[f"track_{kind}_{name}"] = value[rows].mean().item() / L if rows.any() else None
 
 def held_out_eval(model, task, args, record, pool=None, tracked=None):
-    """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the held-out
+    """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the progress
     prompts (held_out_entropy), the accuracy on the --rl-pool problems and the tracked answers' likelihoods
     (track_likelihoods): adds them to a step's log record; returns the line to print, with three examples."""
     prompts = held_out(task, args)
     result = evaluate(model, task, prompts, args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"],
                   eval_entropy=held_out_entropy(model, task, prompts, args))
-    text = (f"held-out accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f}, "
+    text = (f"progress accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f}, "
             f"entropy {record['eval_entropy']:.3f})")
     if pool:
         record["pool_accuracy"] = evaluate(model, task, pool[:args.eval_size], args, n_show=0)["accuracy"]
@@ -287,7 +287,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
     """A copy of bgpo.run_rl with --objective's draws and update, the lab's sampler, advantages and
     options, and its diagnostics. pool: the fixed training problems of --rl-pool, or None for fresh ones;
     tracked: the answers of --track-answers (tracked_answers), or None.
-    Returns the records with a held-out evaluation (step 0 is the SFT model)."""
+    Returns the records with a progress evaluation (step 0 is the SFT model)."""
     stats, G, B = {}, args.group_size, args.prompts_per_step * args.group_size
     objective = OBJECTIVES[args.objective]
     if objective.row_mean:   # the update in two parts, for the diagnostics; else one backward on the batch
@@ -427,7 +427,7 @@ def prediction_entropy(model, prompts, gen_len):
 
 def held_out_entropy(model, task, prompts, args, batch_size=256):
     """prediction_entropy, the quantity the training log's "entropy" is on the rollout prompts, averaged over
-    held-out prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
+    progress problems' prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
     values = [prediction_entropy(model, encode(task, prompts[i:i + batch_size], device=args.device),
                                  task.gen_len) * len(prompts[i:i + batch_size])
               for i in range(0, len(prompts), batch_size)]
@@ -505,7 +505,7 @@ def sft_model(args, task):
     curve = [{"step": args.sft_stop, "accuracy": result["accuracy"], "reward": result["reward"]}]
     bgpo.save_checkpoint(path, task, model.config, stage="sft", step=args.sft_stop, model=model.state_dict(),
                          curve=curve)
-    print(f"SFT stopped at step {args.sft_stop} (--sft-stop): held-out accuracy {result['accuracy']:.1%} "
+    print(f"SFT stopped at step {args.sft_stop} (--sft-stop): progress accuracy {result['accuracy']:.1%} "
           f"({path})")
     return model
 
@@ -537,7 +537,7 @@ def main(argv=None):
     pool = task.sample(args.rl_pool, "train", args.seed + 2)[0] if args.rl_pool else None
     tracked = tracked_answers(model, task, args, args.track_answers) if args.track_answers else None
     history = run_rl(args, task, model, pool, tracked)
-    print(f"\nheld-out accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
+    print(f"\nprogress accuracy {history[0]['accuracy']:.1%} -> {history[-1]['accuracy']:.1%} after "
           f"{history[-1]['step']} RL steps ({args.run_name}: {time.time() - t0:.0f} s on {args.device})\n"
           f"files: {sft_path(args)}, {run_dir}/{{ckpt.pt,log.jsonl}}")
     if args.final_eval_size:
@@ -548,7 +548,7 @@ def main(argv=None):
     return history
 
 def final_evaluation(model, task, args, run_dir, step):
-    """The SFT model and the final one on the first --final-eval-size held-out problems (more than the
+    """The SFT model and the final one on the first --final-eval-size test problems (more than the
     progress evaluations' --eval-size, for a smaller sampling error): greedy accuracy and reward, the
     entropy (held_out_entropy), and on the first --pass-at-k-size of them pass@k (reach), written to the
     run's final.json. The samples come from a generator of their own: training has ended, and a run
@@ -570,7 +570,7 @@ def final_evaluation(model, task, args, run_dir, step):
             result[f"{prefix}pass_at_k_se"] = {k: se for k, (_, se) in passes.items()}
         result.update(pass_at_k_size=size, pass_at_k_samples=PASS_SAMPLES, pass_at_k_seconds=time.time() - t0)
     cli.write_json(os.path.join(run_dir, "final.json"), result)
-    print(f"on {len(prompts)} held-out problems: SFT model {result['sft_accuracy']:.1%}, step {step} "
+    print(f"on {len(prompts)} test problems: SFT model {result['sft_accuracy']:.1%}, step {step} "
           f"{result['accuracy']:.1%}; entropy {result['sft_entropy']:.3f} -> {result['entropy']:.3f}"
           + (f"; pass@{PASS_SAMPLES} on the first {size} at T {args.temperature}: "
              f"{result['sft_pass_at_k'][PASS_SAMPLES]:.1%} -> {result['pass_at_k'][PASS_SAMPLES]:.1%}"

@@ -1,6 +1,6 @@
 """
 One run's two stages in one figure: the SFT curve (greedy validation accuracy against training
-seconds), then, from the SFT model it kept, the RL run's held-out accuracy and, if it was
+seconds), then, from the SFT model it kept, the RL run's progress accuracy and, if it was
 run (python -m lab.control), the control's: SFT continued for the same time.
 
     python -m lab.stages [the run's flags] [--png stages.png]

@@ -1,6 +1,6 @@
 """
 An experiment: arms x seeds, paired by seed. Each seed's SFT model is trained once (bgpo.py --stage sft) and
-every arm starts from it, so the arms of a seed share their SFT model, their held-out problems and their
+every arm starts from it, so the arms of a seed share their SFT model, their test problems and their
 first rollout prompts; the difference between two arms on one seed is then free of the SFT lottery.
 
     python -m lab.sweep --seeds 0-4 --arms bgpo,rft,sft-continued,nt1,neg-weight-1 [--workers 2] [flags]
@@ -12,10 +12,10 @@ console output in console.txt there. A finished run (its final.json, on --final-
 not run again; an interrupted RL run continues from its last checkpoint, and a control, or an RL run stopped
 before its first checkpoint, starts again: running the same command again finishes an interrupted sweep.
 
-The table: per arm, the mean over seeds of the final held-out accuracy on --final-eval-size problems, with
+The table: per arm, the mean over seeds of the final test accuracy on --final-eval-size problems, with
 its 95% interval (Student t over seeds), and the paired difference (same seed) from the SFT model and from
 --reference, with their intervals. An interval that includes 0 means "not distinguishable here". Then what
-the RL runs logged (lab.rl's diagnostics). The figure: held-out accuracy (the runs' progress evaluations,
+the RL runs logged (lab.rl's diagnostics). The figure: progress accuracy (the runs' progress evaluations,
 --eval-size problems) against the RL step, a line per arm with its 95% interval as a band, as it is and
 minus the seed's SFT model. With three or more arms that differ by --mc-samples alone (bgpo, nt1, nt2, ...),
 also a table and a figure (_nt.png) against n_t: the final accuracy, and the update's seconds a step.
@@ -315,13 +315,13 @@ def band(values_by_x, offset=None):
             "band": ([m - h for m, h in stats], [m + h for m, h in stats])}
 
 def sweep_figure(arm_curves, entropy_curves=None, finals=None, eval_size=None):
-    """Held-out accuracy against the RL step (the runs' evaluations, on eval_size problems), per arm the mean
+    """Progress accuracy against the RL step (the runs' evaluations, on eval_size problems), per arm the mean
     over seeds and its 95% interval as a band: as it is, and minus the same seed's SFT model, step 0 (paired,
     so the SFT lottery cancels); then, where the runs have them, pass@k against k of the final models and the
     SFT model, and the entropy against the step."""
     panels = []
     problems = f" on {eval_size} problems" if eval_size else ""
-    for title, paired in ((f"held-out accuracy (%){problems}", False),
+    for title, paired in ((f"progress accuracy (%){problems}", False),
                           ("minus the seed's SFT model (points)", True)):
         lines = []
         for arm, by_step in arm_curves.items():
@@ -347,7 +347,7 @@ def sweep_figure(arm_curves, entropy_curves=None, finals=None, eval_size=None):
                        + [{"label": "SFT model", "color": "grey", "style": "--",
                            **band(reach["SFT model"])}]})
     if entropy_curves:
-        panels.append({"title": "entropy on the held-out prompts (nats per position)", "xlabel": "RL step",
+        panels.append({"title": "entropy on the progress problems (nats per position)", "xlabel": "RL step",
                        "lines": [{"label": arm, **band(by_step)} for arm, by_step in entropy_curves.items()]})
     return {"panels": panels, "width": 11, "rows": 1 if len(panels) <= 2 else 2}
 
@@ -371,7 +371,7 @@ def step_costs(jobs):
     return out
 
 def nt_figure(finals, costs, n_t_of, reference):
-    """The final held-out accuracy against n_t (mean over seeds, 95% band; and minus reference, paired by
+    """The final test accuracy against n_t (mean over seeds, 95% band; and minus reference, paired by
     seed), and the seconds of a step's update against n_t: the arms that differ by n_t alone (n_t_of)."""
     arms = sorted((arm for arm in n_t_of if arm in finals), key=n_t_of.get)
     by_x = lambda value: {n_t_of[arm]: {seed: value(arm, seed) for seed in finals[arm]} for arm in arms}
@@ -383,7 +383,7 @@ def nt_figure(finals, costs, n_t_of, reference):
     seconds = {n_t_of[arm]: {s: c["update_s"] for s, c in costs.get(arm, {}).items()} for arm in arms}
     log2 = {"xlabel": "MC samples n_t", "xscale": "log", "xticks": [n_t_of[arm] for arm in arms]}
     return {"panels": [
-        {"title": "held-out accuracy (%) after RL: mean over seeds, 95% interval", **log2,
+        {"title": "test accuracy (%) after RL: mean over seeds, 95% interval", **log2,
          "lines": [{"label": "RL", **band(accuracy)},
                    {"label": "SFT model", "color": "grey", "style": "--", **band(sft)}]},
         {"title": f"minus n_t {n_t_of[reference]} (points), paired by seed", **log2,
@@ -421,7 +421,7 @@ def main(argv=None):
     a("--reference", default="bgpo", help="the arm that the table's last column subtracts")
     a("--workers", type=int, default=2, help="runs at a time")
     a("--threads", type=int, default=1, help="threads per run (OMP_NUM_THREADS)")
-    a("--final-eval-size", type=int, default=2000, help="held-out problems for the table's final evaluations")
+    a("--final-eval-size", type=int, default=2000, help="test problems for the table's final evaluations")
     a("--pass-at-k-size", type=int, default=100,
       help=f"of those, the first N also get pass@k from {rl.PASS_SAMPLES} samples each at the rollout "
            "temperature")

@@ -310,7 +310,7 @@ def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
         ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 0), ("pytest", 0)]
     report = (tmp_path / "report.md").read_text()
     for shown in ("| ops: sampler update optim. other  total | syncs: sampler update optim. other | path",
-                  "profile of one bgpo.py step", "held-out accuracy 0.0% -> ",
+                  "profile of one bgpo.py step", "test accuracy 0.0% -> ",
                   " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest ",
                   "Every command ran side by side (a dry run)."):
         assert shown in report, (shown, report)
@@ -472,8 +472,8 @@ def test_phases_counts_each_call_of_the_run_and_its_seconds_add_up_to_the_whole(
     log = figures.read_log(str(tmp_path / bgpo.parse_args(argv).run_name / "log.jsonl"))
     assert calls["run_rl: rollouts"] == 3 and calls["run_rl: update"] == sum(
         r.get("mixed_groups", 0) > 0 for r in log), calls   # an update where some group's rewards differ
-    assert calls["run_rl: held-out"] == 3, "step 0, step 2 and the last step"
-    assert calls["final: held-out"] == 2 and calls["run_sft: held-out"] == 0, calls
+    assert calls["run_rl: test"] == 3, "step 0, step 2 and the last step"
+    assert calls["final: test"] == 2 and calls["run_sft: test"] == 0, calls
     assert calls["run_sft: validation"] == 2, "SFT steps 50 and 100"
     assert all(s >= 0 for s in rows.values()) and "where the" in capsys.readouterr().out
     assert bgpo.evaluate.__module__ == "bgpo", "the timers are taken off again"

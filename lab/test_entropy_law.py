@@ -112,7 +112,7 @@ def test_the_parts_of_the_update_add_up_to_bgpos_gradient_and_a_small_step_follo
 
 def test_the_mechanism_measures_the_checkpoint_it_is_given(tmp_path, capsys):
     """--checkpoint: that model is measured, not the SFT model: its H is the entropy of that model's first
-    prediction on the same held-out prompts, computed here from its weights; a missing one exits 2."""
+    prediction on the same test prompts, computed here from its weights; a missing one exits 2."""
     argv = tiny_argv(tmp_path, "--sft-steps", "30")
     H_sft, _ = entropy_mechanism.main(argv + ["--prompts", "8"])          # trains the SFT model first
     args, task = rl.parse_args(argv), get_task("arithmetic")

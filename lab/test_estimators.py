@@ -244,7 +244,7 @@ def test_one_step_estimate_is_its_closed_form_and_is_not_the_elbo():
 @pytest.fixture(scope="module")
 def sudoku_toy():
     """A 1-layer, n_embd 16 model after 150 SFT steps on 4x4 Sudoku (float32: the 2^16 mask sets per
-    sequence are the cost), and four held-out puzzles."""
+    sequence are the cost), and four test puzzles."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     task, generator = get_task("sudoku"), torch.Generator().manual_seed(0)
