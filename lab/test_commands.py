@@ -13,7 +13,8 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, rl, sampler, stages)
+                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, readme_figure, rl, sampler,
+                 stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 from tiny_dllm import generate
@@ -484,3 +485,29 @@ def test_phases_without_an_sft_model_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("python -m lab.phases: error: no checkpoint at"), err
     assert err.count("\n") == 1 and bgpo.run_rl.__module__ == "bgpo", "the timers are taken off again"
+
+def test_the_readme_figure_shows_what_the_run_printed_and_logged(tmp_path, capsys):
+    """python -m lab.readme_figure after a bgpo.py run: the sampler's states are those bgpo.show_unmasking
+    prints for the same model and prompt, the curves are the SFT checkpoint's and the log's, and the picture
+    (where matplotlib is installed) is under 200 KB; without the run, one line and exit code 2."""
+    argv = tiny_argv(tmp_path, "--sft-steps", "100", "--rl-steps", "2", "--eval-every", "1")
+    with pytest.raises(SystemExit) as e:
+        readme_figure.main(argv)
+    assert e.value.code == 2 and "run python bgpo.py with the same flags first" in capsys.readouterr().err
+    bgpo.main(argv)
+    args, task = bgpo.parse_args(argv), get_task("arithmetic")
+    data = readme_figure.figure_data(args, task)
+    capsys.readouterr()
+    model = bgpo.load_model(str(tmp_path / args.run_name / "ckpt.pt"), task, args)
+    answer = bgpo.show_unmasking(model, task, data["prompt"], args)
+    printed = "".join(capsys.readouterr().out.split("\n")[1:]).split()
+    assert printed == data["states"] and data["states"][-1].split("$")[0] == answer
+    assert data["solved"] == (task.reward(data["prompt"], answer) == 1.0)
+    assert sorted(data["steps"]) == list(range(task.gen_len))   # one token committed a sampler step
+    curve = bgpo.load_checkpoint(bgpo.sft_path(args), task)["curve"]
+    assert data["sft"] == [(c["step"], c["val_reward"]) for c in curve]
+    log = figures.read_log(tmp_path / args.run_name / "log.jsonl")
+    assert data["test"] == [(r["step"], r["accuracy"]) for r in log]
+    assert data["rollouts_solved"] == [(r["step"], r["solved"]) for r in log[1:]]
+    png = readme_figure.main([*argv, "--png", str(tmp_path / "first.png")])
+    assert png is None or os.path.getsize(png) < 200 * 1024
