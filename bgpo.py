@@ -196,7 +196,7 @@ def autocast(args):
     bf16 = args.dtype == "bfloat16"
     return torch.autocast(args.device.split(":")[0], torch.bfloat16) if bf16 else contextlib.nullcontext()
 
-def held_out(task, args):
+def test_problems(task, args):
     return task.sample(args.eval_size, "test", 1234)[0]   # the same problems for every evaluation
 
 @torch.no_grad()
@@ -339,9 +339,9 @@ def sample_rollouts(model, task, prompts, args, generator):
         y = generate(model, x, task.gen_len, temperature=TEMPERATURE, generator=generator)
     return x, y, torch.tensor([task.reward(p, task.decode(ids)) for p, ids in zip(prompts, y.cpu())])
 
-def held_out_eval(model, task, args, record):
+def score_test_problems(model, task, args, record):
     """Greedy answers to the test problems: adds their scores to an RL step's log record; returns text."""
-    result = evaluate(model, task, held_out(task, args), args)
+    result = evaluate(model, task, test_problems(task, args), args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"])
     return (f"test accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f})\n"
             + "\n".join(result["examples"]))
@@ -381,9 +381,9 @@ def run_rl(args, task, model):
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
         print(f"resumed {ckpt_path} at step {state['step']}")
     else:
-        show_unmasking(model, task, held_out(task, args)[0], args)
+        show_unmasking(model, task, test_problems(task, args)[0], args)
         start, records = 1, [{"step": 0}]
-        print("RL step 0 (SFT model): " + held_out_eval(model, task, args, records[0]))
+        print("RL step 0 (SFT model): " + score_test_problems(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
         write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
         if not args.resume:
@@ -440,7 +440,7 @@ def run_rl(args, task, model):
                 + ("" if cuda else f"act {r['activation_mb']:.1f} MiB | ") + f"{r['seconds']:.2f} s")
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
         if evaluation:
-            line += " | " + held_out_eval(model, task, args, r)
+            line += " | " + score_test_problems(model, task, args, r)
             rngs, saved = everyone([generator.get_state(), noise.get_state()], args), step   # for --resume
         print(line)
         if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
@@ -470,8 +470,8 @@ def show_unmasking(model, task, prompt, args):
 # 4. The memory benchmark: naive vs BGPO as n_t grows, on one RL batch of a real task ------------------------
 
 def bench_memory(args, task):
-    """One on-policy update (forward and backward, no optimizer step) of an RL batch, untied random rewards,
-    by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update, None: out of memory."""
+    """The forward and backward passes of one on-policy update (no optimizer step) of an RL batch with untied
+    random rewards, by each objective at n_t = 1..64: rows {"n_t", "naive", "bgpo"} of measure_update."""
     torch.manual_seed(args.seed)
     model, cuda = make_model(task, args), args.device.startswith("cuda")
     B, generator = args.group_size * args.prompts_per_step, torch.Generator().manual_seed(args.seed)
@@ -672,7 +672,7 @@ def main(argv=None):
         less = f"{again} --mc-chunk {args.mc_chunk // 2} uses less memory, or " if args.mc_chunk > 1 else ""
         smaller = "--size cpu runs the CPU size" if args.size == "gpu" else "--device cpu runs it on the CPU"
         raise RunError(f"out of GPU memory: {less}{smaller}") from None
-    before, after = (evaluate(m, task, held_out(task, args), args, n_show=0)["solved"]   # problem by problem
+    before, after = (evaluate(m, task, test_problems(task, args), args, n_show=0)["solved"]   # per problem
                      for m in (load_model(sft_path(args), task, args), model))
     gain, half = paired_gain(before, after)
     print(f"\ntest accuracy {sum(before) / len(before):.1%} -> {sum(after) / len(after):.1%} after "

@@ -596,7 +596,7 @@ def test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval(
     before, after, gain, low, high = map(float, re.findall(r"[-+]?\d+\.\d", line)[:5])
     assert (before, after) == tuple(round(100 * h["accuracy"], 1) for h in (history[0], history[-1]))
     args, task = bgpo.parse_args(argv), get_task("arithmetic")
-    problems = bgpo.held_out(task, args)
+    problems = bgpo.test_problems(task, args)
     outcomes = [bgpo.evaluate(bgpo.load_model(path, task, args), task, problems, args)["solved"]
                 for path in (bgpo.sft_path(args), tmp_path / args.run_name / "ckpt.pt")]
     mean, half = bgpo.paired_gain(*outcomes)

@@ -273,10 +273,10 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
         self.t = t
 
 def measure_update(model, update, repeats=3):
-    """update() (an update's forward and backward; no optimizer step) measured: its activation memory in a
-    pass of its own (the hooks cost Python time), then the median seconds of `repeats` more calls and, on
-    CUDA, the allocator's peak over all of them. Returns {"mb": activation MiB, "s": seconds, "cuda_mb": MiB,
-    or None off CUDA}, or None if update() ran out of memory."""
+    """update(), the forward and backward passes of an update without its optimizer step, measured: its
+    activation memory in a pass of its own (the hooks cost Python time), then the median seconds of `repeats`
+    more calls and, on CUDA, the allocator's peak over all of them. Returns {"mb": activation MiB, "s":
+    seconds, "cuda_mb": MiB, or None off CUDA}, or None if update() ran out of memory."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     try:

@@ -19,7 +19,7 @@ import time
 import torch
 
 import bgpo
-from bgpo import SFT_LR, held_out, load_checkpoint, load_model, sft_batches, sft_lr_at, sft_path
+from bgpo import SFT_LR, test_problems, load_checkpoint, load_model, sft_batches, sft_lr_at, sft_path
 from lab import cli
 from lab.rl import final_evaluation, sft_step
 from lab.sampler import evaluate
@@ -39,7 +39,7 @@ def run_control(args, task):
     start = step = load_checkpoint(sft_path(args), task)["step"]
     model = load_model(sft_path(args), task, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01)
-    generator, test_prompts = torch.Generator().manual_seed(args.seed + 2), held_out(task, args)
+    generator, test_prompts = torch.Generator().manual_seed(args.seed + 2), test_problems(task, args)
     batches, spent = sft_batches(task, args, generator), 0.0
     out = control_dir(args)
     os.makedirs(out, exist_ok=True)

@@ -13,7 +13,7 @@ import copy
 import torch
 
 import bgpo
-from bgpo import held_out
+from bgpo import test_problems
 from lab import cli
 from lab.estimators import dtrpo_log_likelihood, trajectory_log_likelihood
 from lab.objectives import dtrpo_dpo_loss
@@ -28,7 +28,7 @@ def offline_dtrpo(args, task, model, n_prompts=512, epochs=4, batch=32, beta=0.1
     margin on the pairs (every step, trajectory_log_likelihood), the quantity the one-step-per-block
     estimate stands for, and the progress accuracy."""
     generator = torch.Generator().manual_seed(args.seed + 4)
-    eval_prompts = held_out(task, args)
+    eval_prompts = test_problems(task, args)
     prompts = task.sample(n_prompts, "train", generator)[0]
     rollouts = sample_rollouts(model, task, prompts, args.group_size, args, generator)
     x, y, commit, solved = rollouts.x, rollouts.y, rollouts.commit_steps, rollouts.rewards == 1.0

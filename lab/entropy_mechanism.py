@@ -106,7 +106,7 @@ def main(argv=None):
     A = bgpo.group_advantages(rewards, G).to(args.device)
     A = torch.where(A < 0, args.neg_weight * A, A)
     mc = bgpo.draw_mc_samples(B, task.gen_len, args.mc_samples, generator).to(args.device)
-    held_out = encode(task, bgpo.held_out(task, args)[:args.prompts], device=args.device)
+    held_out = encode(task, bgpo.test_problems(task, args)[:args.prompts], device=args.device)
     H, rows = measure(model, x, y, mc, A, held_out, task.gen_len, args.lr)
     where = f"seed {args.seed}" + (f", {args.checkpoint}" if args.checkpoint else "")
     print(f"{task.name}, {where}: entropy {H:.4f} nats per masked position on {len(held_out)} test "

@@ -208,7 +208,7 @@ def describe(path, task, args, n_prompts=2):
     n_prompts test problems, each with its reward, its exact log-likelihood, ELBO and gap per token, and
     how often the sampler writes it. Prints one line per completion; returns the rows."""
     model = bgpo.load_model(path, task, args)
-    batch = sample_rollouts(model, task, bgpo.held_out(task, args)[:n_prompts], args.group_size, args,
+    batch = sample_rollouts(model, task, bgpo.test_problems(task, args)[:n_prompts], args.group_size, args,
                             torch.Generator().manual_seed(args.seed + 4))
     exact = exact_measures(copy.deepcopy(model).double().cpu(), batch.x.cpu(), batch.y.cpu())
     freq, se = sampler_frequency(model, batch.x, batch.y, args.group_size, args.sampler_draws, args,

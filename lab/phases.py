@@ -23,7 +23,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     seconds, calls, stage = collections.Counter(), collections.Counter(), ["setup"]
     inner = {name: getattr(bgpo, name) for name in
-             ("evaluate", "sample_rollouts", "bgpo_backward", "naive_loss", "run_sft", "run_rl", "held_out")}
+             ("evaluate", "sample_rollouts", "bgpo_backward", "naive_loss", "run_sft", "run_rl",
+              "test_problems")}
 
     def timed(name, key):
         def wrapper(*args, **kwargs):
@@ -40,10 +41,11 @@ def main(argv=None):
                     stage[0] = "final"
         return wrapper
 
-    held_out = {}   # the same list object for each call, so that an evaluation of it can be told apart
-    patches = {"held_out": lambda task, args: held_out.setdefault(task.name, inner["held_out"](task, args)),
+    tests = {}   # the same list object for each call, so that an evaluation of it can be told apart
+    patches = {"test_problems": lambda task, args: tests.setdefault(task.name,
+                                                                     inner["test_problems"](task, args)),
                "evaluate": timed("evaluate", lambda model, task, prompts, args: f"{stage[0]}: " + (
-                   "test" if prompts is held_out.get(task.name) else "validation")),
+                   "test" if prompts is tests.get(task.name) else "validation")),
                "sample_rollouts": timed("sample_rollouts", "run_rl: rollouts"),
                "bgpo_backward": timed("bgpo_backward", "run_rl: update"),
                "naive_loss": timed("naive_loss", "run_rl: update"),

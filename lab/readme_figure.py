@@ -33,7 +33,7 @@ def figure_data(args, task):
     sft = bgpo.load_checkpoint(bgpo.sft_path(args), task)
     records = read_log(os.path.join(run_dir, "log.jsonl"))
     model = bgpo.load_model(os.path.join(run_dir, "ckpt.pt"), task, args)
-    for prompt in bgpo.held_out(task, args):   # the first it solves, or else the last
+    for prompt in bgpo.test_problems(task, args):   # the first it solves, or else the last
         states, steps = unmasking(model, task, prompt, args)
         solved = task.reward(prompt, states[-1].split("$")[0]) == 1.0
         if solved:

@@ -48,7 +48,7 @@ import time
 import torch
 
 import bgpo
-from bgpo import RunError, held_out, load_checkpoint, save_checkpoint
+from bgpo import RunError, test_problems, load_checkpoint, save_checkpoint
 from lab import cli
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
@@ -249,7 +249,7 @@ def advantages(rewards, args):
 def tracked_answers(model, task, args, n_prompts):
     """G rollouts of each of the first n_prompts progress problems from the SFT model, drawn from a stream of
     their own: the answers whose exact likelihoods --track-answers logs and lab.negatives --track measures."""
-    return sample_rollouts(model, task, held_out(task, args)[:n_prompts], args.group_size, args,
+    return sample_rollouts(model, task, test_problems(task, args)[:n_prompts], args.group_size, args,
                            torch.Generator().manual_seed(args.seed + 6))
 
 def track_likelihoods(model, tracked, record):
@@ -263,14 +263,14 @@ def track_likelihoods(model, tracked, record):
         for name, value in (("log_pi", log_pi), ("elbo", elbo)):
             record[f"track_{kind}_{name}"] = value[rows].mean().item() / L if rows.any() else None
 
-def held_out_eval(model, task, args, record, pool=None, tracked=None):
-    """A copy of bgpo.held_out_eval (with the lab's sampler flags), the policy's entropy on the progress
-    prompts (held_out_entropy), the accuracy on the --rl-pool problems and the tracked answers' likelihoods
+def progress_eval(model, task, args, record, pool=None, tracked=None):
+    """A copy of bgpo.score_test_problems (with the lab's sampler flags), the policy's entropy on the progress
+    prompts (policy_entropy), the accuracy on the --rl-pool problems and the tracked answers' likelihoods
     (track_likelihoods): adds them to a step's log record; returns the line to print, with three examples."""
-    prompts = held_out(task, args)
+    prompts = test_problems(task, args)
     result = evaluate(model, task, prompts, args)
     record.update(accuracy=result["accuracy"], eval_reward=result["reward"],
-                  eval_entropy=held_out_entropy(model, task, prompts, args))
+                  eval_entropy=policy_entropy(model, task, prompts, args))
     text = (f"progress accuracy {result['accuracy']:.1%} (reward {result['reward']:.3f}, "
             f"entropy {record['eval_entropy']:.3f})")
     if pool:
@@ -305,9 +305,9 @@ def run_rl(args, task, model, pool=None, tracked=None):
         records = [r for r in records if r["step"] < start]  # the log matches the checkpoint
         print(f"resumed {ckpt_path} at step {state['step']}")
     else:
-        bgpo.show_unmasking(model, task, held_out(task, args)[0], args)
+        bgpo.show_unmasking(model, task, test_problems(task, args)[0], args)
         start, records = 1, [{"step": 0}]
-        print("RL step 0 (SFT model): " + held_out_eval(model, task, args, records[0], pool, tracked))
+        print("RL step 0 (SFT model): " + progress_eval(model, task, args, records[0], pool, tracked))
     os.makedirs(run_dir, exist_ok=True)
     if not args.resume:
         cli.write_json(os.path.join(run_dir, "run.json"), cli.describe_run(args))
@@ -392,7 +392,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "
                 f"{r['seconds']:.2f} s | entropy {r['entropy']:.2f} | cos(g+, g-) {r['cos_pos_neg']:+.2f}")
         if step % args.eval_every == 0 or step == args.rl_steps:
-            line += " | " + held_out_eval(model, task, args, r, pool, tracked)
+            line += " | " + progress_eval(model, task, args, r, pool, tracked)
         print(line)
         if "accuracy" in r and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
             dead = sum(not q.get("solve_groups", 1) for q in records[1:])
@@ -425,9 +425,9 @@ def prediction_entropy(model, prompts, gen_len):
     completion masked, the sampler's first step: how sure the policy is before it writes anything."""
     return entropy(first_step_logits(model, prompts, gen_len)).mean().item()
 
-def held_out_entropy(model, task, prompts, args, batch_size=256):
+def policy_entropy(model, task, prompts, args, batch_size=256):
     """prediction_entropy, the quantity the training log's "entropy" is on the rollout prompts, averaged over
-    progress problems' prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
+    problems' prompt strings: it is logged at every evaluation, so that a policy that narrows shows it."""
     values = [prediction_entropy(model, encode(task, prompts[i:i + batch_size], device=args.device),
                                  task.gen_len) * len(prompts[i:i + batch_size])
               for i in range(0, len(prompts), batch_size)]
@@ -501,7 +501,7 @@ def sft_model(args, task):
     batches = bgpo.sft_batches(task, args, generator)
     for step in range(1, args.sft_stop + 1):
         sft_step(model, optimizer, *next(batches), bgpo.sft_lr_at(args, step), generator)
-    result = evaluate(model, task, held_out(task, args), args, n_show=0)
+    result = evaluate(model, task, test_problems(task, args), args, n_show=0)
     curve = [{"step": args.sft_stop, "accuracy": result["accuracy"], "reward": result["reward"]}]
     bgpo.save_checkpoint(path, task, model.config, stage="sft", step=args.sft_stop, model=model.state_dict(),
                          curve=curve)
@@ -550,7 +550,7 @@ def main(argv=None):
 def final_evaluation(model, task, args, run_dir, step):
     """The SFT model and the final one on the first --final-eval-size test problems (more than the
     progress evaluations' --eval-size, for a smaller sampling error): greedy accuracy and reward, the
-    entropy (held_out_entropy), and on the first --pass-at-k-size of them pass@k (reach), written to the
+    entropy (policy_entropy), and on the first --pass-at-k-size of them pass@k (reach), written to the
     run's final.json. The samples come from a generator of their own: training has ended, and a run
     scored with or without them is the same run."""
     prompts = task.sample(args.final_eval_size, "test", 1234)[0]
@@ -559,7 +559,7 @@ def final_evaluation(model, task, args, run_dir, step):
     for prefix, scored in models.items():
         greedy = evaluate(scored, task, prompts, args, n_show=0)
         result.update({f"{prefix}accuracy": greedy["accuracy"], f"{prefix}reward": greedy["reward"],
-                       f"{prefix}entropy": held_out_entropy(scored, task, prompts, args)})
+                       f"{prefix}entropy": policy_entropy(scored, task, prompts, args)})
     size = getattr(args, "pass_at_k_size", 0)
     if size:
         t0 = time.time()

@@ -13,8 +13,8 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, readme_figure, rl, sampler,
-                 stages)
+                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, readme_figure, rl,
+                 sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 from tiny_dllm import generate

@@ -123,7 +123,7 @@ def test_the_mechanism_measures_the_checkpoint_it_is_given(tmp_path, capsys):
     ckpt = str(tmp_path / "moved.pt")
     bgpo.save_checkpoint(ckpt, task, model.config, stage="rl", step=1, model=model.state_dict())
     H, _ = entropy_mechanism.main(argv + ["--prompts", "8", "--checkpoint", ckpt])
-    held_out = encode(task, bgpo.held_out(task, args)[:8], device="cpu")
+    held_out = encode(task, bgpo.test_problems(task, args)[:8], device="cpu")
     with torch.no_grad():
         expected = rl.entropy(rl.first_step_logits(model, held_out, task.gen_len)).mean().item()
     assert H == pytest.approx(expected, rel=1e-9) and abs(H - H_sft) > 1e-3

@@ -273,7 +273,7 @@ def test_the_lab_rollouts_and_evaluation_with_its_default_flags_are_bgpo_pys(tmp
     batch = sampler.sample_rollouts(model, task, prompts, lab_args.group_size, lab_args,
                                     torch.Generator().manual_seed(1), **options)
     assert torch.equal(x, batch.x) and torch.equal(y, batch.y) and torch.equal(rewards, batch.rewards)
-    held_out = bgpo.held_out(task, args)
+    held_out = bgpo.test_problems(task, args)
     assert bgpo.evaluate(model, task, held_out, args) == sampler.evaluate(model, task, held_out, lab_args)
 
 def test_the_controls_sft_step_is_a_step_of_bgpo_run_sft(tmp_path):

@@ -236,13 +236,13 @@ class FixedPredictions(torch.nn.Module):
         logits[..., self.config.mask_id] = -math.inf
         return logits
 
-def test_the_held_out_entropy_equals_its_value_by_hand():
+def test_the_policy_entropy_equals_its_value_by_hand():
     task = get_task("arithmetic")
     model = FixedPredictions(task.tokenizer.vocab_size, task.tokenizer.mask_id, task.prompt_len)
     expected = sum(math.log(i % 3 + 2) for i in range(task.gen_len)) / task.gen_len
     args = rl.parse_args(["--task", "arithmetic", "--device", "cpu"])
     prompts = task.sample(5, "test", 0)[0]
-    assert rl.held_out_entropy(model, task, prompts, args, batch_size=2) == pytest.approx(expected, abs=1e-6)
+    assert rl.policy_entropy(model, task, prompts, args, batch_size=2) == pytest.approx(expected, abs=1e-6)
 
 def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unchanged(tmp_path):
     """Evaluation draws no random number of training's: a run evaluated every step, scored for pass@k and
