@@ -17,6 +17,9 @@ Three levers for RL past its SFT model's reach, as options of the lab's loop (la
    uniform in HINT_FRACTION; the positions are uniform among the L. IGPO splits a reasoning trace into
    chunks; a Countdown answer has no chunks to split. The update treats a hinted rollout as any other: its
    ELBO covers all L tokens, the hinted ones included. --hints inpaint. hinted_rollouts.
+   With --dynamic-batches too, each drawn batch gets its hints before dynamic sampling keeps its mixed
+   groups, so a hinted group counts as kept and fewer sampler batches are drawn. --hint-decay scales the
+   hinted share down linearly over the run, so that the last steps' rollouts are the policy's own.
    The control, --hints solution: the known solution itself (answer, then end tokens) replaces the last
    rollout of every all-fail group. On-policy, BGPO's gradient on that row is A / L times the gradient of its
    ELBO: SFT's loss on the solution, weighted by its advantage. The question the pair asks: does a masked
@@ -61,18 +64,19 @@ def dynamic_rollouts(draw, n_prompts, group_size, max_batches):
         return batch, batch_answers, torch.stack(drawn), len(drawn)
     return concat_rollouts(kept), answers, torch.stack(drawn), len(drawn)
 
-def hint_prior(task, answers, generator, mask_id):
+def hint_prior(task, answers, generator, mask_id, scale=1.0):
     """(N, L) token ids: each known answer's completion (answer, then end tokens) with a fraction of its L
-    positions, uniform in HINT_FRACTION per row, kept, and MASK at the others (the sampler's prior)."""
+    positions, uniform in HINT_FRACTION per row times scale (--hint-decay lowers it over the run; one token
+    at least), kept, and MASK at the others (the sampler's prior)."""
     _, solution = encode(task, [""] * len(answers), answers)
     N, L = solution.shape
     low, high = HINT_FRACTION
-    fraction = low + (high - low) * torch.rand(N, generator=generator)
+    fraction = scale * (low + (high - low) * torch.rand(N, generator=generator))
     n_hinted = (fraction * L).round().long().clamp(1, L - 1)                              # (N,)
     rank = torch.rand(N, L, generator=generator).argsort(1).argsort(1)                   # a random order
     return solution.masked_fill(rank >= n_hinted[:, None], mask_id)
 
-def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mode, **options):
+def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mode, scale=1.0, **options):
     """For each group of batch whose G rewards are all below 1, a solved completion in place of its last
     rollout: mode "inpaint", one rollout sampled with part of the known answer fixed (hint_prior), kept
     only if the verifier says it solves; mode "solution", the known answer itself. answers: the known
@@ -86,7 +90,7 @@ def hinted_rollouts(model, task, batch, answers, group_size, args, generator, mo
     prompts = [batch.prompts[i * group_size] for i in which]
     known = [answers[i] for i in which]
     if mode == "inpaint":
-        prior = hint_prior(task, known, generator, model.config.mask_id)
+        prior = hint_prior(task, known, generator, model.config.mask_id, scale)
         hinted = sample_rollouts(model, task, prompts, 1, args, generator, prior=prior,
                                  **{k: v for k, v in options.items() if k != "prior"})
     elif mode == "solution":

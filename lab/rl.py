@@ -111,6 +111,8 @@ def make_parser():
     a("--hints", choices=["none", "inpaint", "solution"], default="none",
       help="for a group whose rollouts all fail, IGPO's inpainted rollout (part of a known solution fixed, "
            "kept if it solves) or the known solution itself, in place of its last rollout (lab/levers.py)")
+    a("--hint-decay", action="store_true",
+      help="with --hints inpaint: the hinted share of the solution falls linearly over the run, to one token")
     a("--sft-stop", type=int, default=0,
       help="stop SFT at this step and start RL from that step's model (the same SFT run, trained less); "
            "0: bgpo.py's SFT, which keeps its best validated model")
@@ -120,8 +122,8 @@ def make_parser():
     a("--plot", action="store_true", help="draw the run's curves as curves.png in its folder (matplotlib)")
     a("--run-name", default=None,
       help="RL run folder in --out-dir "
-           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_dynN][_hints-H][_uU]"
-           "[_mbK][_poolN]_seedS"
+           "(None: task_objective[_ntM][_tauT][_noanchors][_ADV][_solved][_random][_dynN][_hints-H][_decay]"
+           "[_uU][_mbK][_poolN]_seedS"
            "[_HASH], HASH: of every other flag that differs from its default)")
     return p
 
@@ -175,6 +177,8 @@ def parse_args(argv=None):
         p.error(f"--sft-stop {args.sft_stop} is past --sft-steps {args.sft_steps}")
     if args.dynamic_batches < 1:
         p.error(f"--dynamic-batches must be an integer >= 1, got {args.dynamic_batches}")
+    if args.hint_decay and args.hints != "inpaint":
+        p.error("--hint-decay lowers the share of an inpainted hint: use it with --hints inpaint")
     if args.rl_pool and (args.dynamic_batches > 1 or args.hints != "none"):
         p.error("--dynamic-batches and --hints draw fresh problems with their solutions: not with --rl-pool")
     if 0 < args.rl_pool < args.prompts_per_step:
@@ -185,7 +189,7 @@ def parse_args(argv=None):
         (f"_{args.advantages}" if args.advantages != "group" else "") + \
         ("_solved" if args.reward == "solved" else "") + ("_random" if args.remasking == "random" else "") + \
         (f"_dyn{args.dynamic_batches}" if args.dynamic_batches > 1 else "") + \
-        (f"_hints-{args.hints}" if args.hints != "none" else "")
+        (f"_hints-{args.hints}" if args.hints != "none" else "") + ("_decay" if args.hint_decay else "")
     args.run_name = args.run_name or (f"{args.task}_{args.objective}{estimator}{options}"
                                       f"{f'_u{args.updates_per_batch}' if args.updates_per_batch > 1 else ''}"
                                       f"{f'_mb{args.minibatches}' if args.minibatches > 1 else ''}"
@@ -319,24 +323,36 @@ def run_rl(args, task, model, pool=None, tracked=None):
         t0 = time.time()
         # 1. training problems, fresh or from the pool, and G completions of each with the lab's sampler;
         # with --dynamic-batches, only groups whose rewards differ; with --hints, a solve in all-fail groups
+        # (with both, inside each draw: a hinted group is then a mixed one, kept)
+        scale = 1 - (step - 1) / args.rl_steps if args.hint_decay else 1.0
+        own, hinted = [], []   # every drawn batch's rewards before its hints; the groups given a hinted solve
+
+        def hint(batch, answers):
+            batch, got, _ = hinted_rollouts(model, task, batch, answers, G, args, generator, args.hints,
+                                            scale, **sampler_options(task, batch.prompts[::G], args))
+            hinted.append(got)
+            return batch
+
         def draw():
             if pool:
                 order = torch.randperm(len(pool), generator=generator)
                 prompts, answers = [pool[i] for i in order[:args.prompts_per_step]], None
             else:
                 prompts, answers = task.sample(args.prompts_per_step, "train", generator)
-            return sample_rollouts(model, task, prompts, G, args, generator,
-                                   **sampler_options(task, prompts, args)), answers
+            batch = sample_rollouts(model, task, prompts, G, args, generator,
+                                    **sampler_options(task, prompts, args))
+            own.append(batch.rewards)
+            hint_now = args.hints != "none" and args.dynamic_batches > 1
+            return (hint(batch, answers) if hint_now else batch), answers
         if args.dynamic_batches > 1:
-            batch, answers, drawn, batches = dynamic_rollouts(draw, args.prompts_per_step, G,
-                                                              args.dynamic_batches)
+            batch, answers, _, batches = dynamic_rollouts(draw, args.prompts_per_step, G,
+                                                          args.dynamic_batches)
         else:
             (batch, answers), batches = draw(), 1
-            drawn = batch.rewards[None]                                        # (batches, prompts x G)
-        hinted = torch.zeros(len(batch.prompts) // G, dtype=torch.bool)
-        if args.hints != "none":
-            batch, hinted, _ = hinted_rollouts(model, task, batch, answers, G, args, generator, args.hints,
-                                               **sampler_options(task, batch.prompts[::G], args))
+        if args.hints != "none" and args.dynamic_batches == 1:
+            batch = hint(batch, answers)
+        drawn = torch.stack(own)                                    # (batches, prompts x G), the policy's own
+        hinted = torch.cat(hinted) if hinted else torch.zeros(len(batch.prompts) // G, dtype=torch.bool)
         B = len(batch.prompts)
         rollout_seconds = time.time() - t0
         # 2. the verifier's rewards (batch.rewards) -> 3. advantages (Eq. 18, or d1's)

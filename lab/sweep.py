@@ -65,6 +65,10 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     "lr2e-4": ("lab.rl", ["--rl-lr", "2e-4"]),                   # twice the RL learning rate
     "lr3e-4": ("lab.rl", ["--rl-lr", "3e-4"]),                   # three times
     "sft-hints": ("lab.rl", ["--hints", "solution"]),
+    # the levers combined: hints inside dynamic sampling, where a hinted group counts as kept; and hints whose
+    # share of the solution falls over the run, so that the last steps' rollouts are the policy's own
+    "dyn-hint": ("lab.rl", ["--dynamic-batches", "3", "--hints", "inpaint"]),
+    "hint-decay": ("lab.rl", ["--hints", "inpaint", "--hint-decay"]),
 }
 
 # -----------------------------------------------------------------------------

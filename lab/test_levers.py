@@ -2,6 +2,7 @@
 hinted rollout keeps its fixed tokens and is scored by the verifier, and the rand-order arm samples from the
 random-order model (whose law test_estimators checks against enumeration)."""
 import argparse
+import json
 
 import torch
 
@@ -117,3 +118,53 @@ def test_rand_order_arm_samples_the_random_order_model_at_temperature_1():
     against enumeration."""
     args = rl.parse_args(sweep.ARMS["rand-order"][1])
     assert (args.remasking, args.temperature, args.gen_steps, args.block_len) == ("random", 1.0, None, None)
+
+def test_a_decayed_hint_fixes_a_scaled_share_of_the_solution_and_one_token_at_least():
+    """--hint-decay: hint_prior with scale s fixes round(f s L) tokens of the known answer, f uniform in
+    HINT_FRACTION (0.2-0.6), one at least; the fixed tokens are the answer's. By hand for Countdown's L = 10:
+    scale 0.5 fixes 1-3 tokens, scale 0 exactly one."""
+    task = get_task("countdown")
+    answers = task.sample(64, "train", 0)[1]
+    _, solution = encode(task, [""] * len(answers), answers)
+    mask_id, L = task.tokenizer.mask_id, task.gen_len
+    for scale, low, high in ((1.0, round(0.2 * L), round(0.6 * L)), (0.5, 1, round(0.3 * L)), (0.0, 1, 1)):
+        prior = levers.hint_prior(task, answers, torch.Generator().manual_seed(0), mask_id, scale)
+        fixed = prior != mask_id
+        assert ((fixed.sum(1) >= low) & (fixed.sum(1) <= high)).all(), (scale, fixed.sum(1))
+        assert (prior[fixed] == solution[fixed]).all()
+
+def test_hints_inside_dynamic_sampling_make_a_failed_group_a_kept_one(tmp_path, monkeypatch):
+    """The dyn-hint arm (--dynamic-batches 3 --hints ...): each drawn batch gets its hints before dynamic
+    sampling keeps its mixed groups, so a group whose rollouts all fail but that a hint solves is kept. With
+    every rollout failing (the sampler's rewards set to 0) and the known solution as the hint, each step draws
+    one batch, every group hinted; without hints each step draws all 3 batches and keeps no group. The log's
+    never-solved share is the policy's own rollouts', before the hints: 1 in both."""
+    real = rl.sample_rollouts
+
+    def all_fail(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        batch.rewards = torch.zeros_like(batch.rewards)
+        return batch
+
+    monkeypatch.setattr(rl, "sample_rollouts", all_fail)
+    from lab.testing import tiny_argv
+    logs = {}
+    for name, extra in (("dyn-hint", ["--hints", "solution"]), ("dyn", [])):
+        argv = tiny_argv(tmp_path, "--dynamic-batches", "3", "--run-name", name, "--sft-steps", "50", *extra)
+        rl.main(argv)
+        logs[name] = [json.loads(line) for line in open(tmp_path / name / "log.jsonl")][1:]
+    assert [r["sampler_batches"] for r in logs["dyn-hint"]] == [1, 1]
+    assert [r["hinted_groups"] for r in logs["dyn-hint"]] == [1.0, 1.0]
+    assert [r["sampler_batches"] for r in logs["dyn"]] == [3, 3]
+    assert [r["informative_rows"] for r in logs["dyn"]] == [0.0, 0.0]
+    assert all(r["never_solved"] == 1.0 for name in logs for r in logs[name])
+
+def test_hint_decay_is_an_option_of_inpainted_hints():
+    for argv in (["--hint-decay"], ["--hints", "solution", "--hint-decay"]):
+        try:
+            rl.parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+    assert "_hints-inpaint_decay_seed0" in rl.parse_args(["--hints", "inpaint", "--hint-decay"]).run_name
