@@ -9,7 +9,15 @@ the ceiling that RL by sampling and reweighting reaches first.
 The model is bgpo.py's SFT model of the flags (trained first if absent), or --model PATH. The problems are
 the first --problems of the final evaluation's test problems (lab.rl --final-eval-size's). Each
 (sampler, temperature) draws from a generator seeded alike, so the samplers differ by their order alone.
+Beside pass@k: the model's greedy accuracy and its policy's entropy on the same problems, and with
+--reference (an SFT model's --json) its new solves, the problems it answers right greedily that the
+reference never solved in its samples at the rollout temperature: reach that sampling more widely from the
+reference could not have faked.
+
+    python -m lab.reach --seed 10 --json sft.json
+    python -m lab.reach --seed 10 --model RUN/ckpt.pt --reference sft.json
 """
+import json
 import argparse
 import time
 
@@ -35,6 +43,8 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=128, help="samples per problem (the largest k)")
     p.add_argument("--model", default=None, help="a checkpoint to measure (None: the SFT model of the flags)")
     p.add_argument("--json", default=None, help="write the table here as JSON")
+    p.add_argument("--reference", default=None,
+                   help="another model's --json (its SFT model's): count this model's new solves against it")
     args = cli.check_args(p, p.parse_args(argv))
     if args.problems < 1 or args.samples < 1:
         p.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
@@ -56,10 +66,27 @@ def main(argv=None):
                       "never": never, "always": always, "solves": counts, "seconds": time.time() - t0})
         print(f"{remasking:<16} {temperature:>4} " + " ".join(f"{100 * v:6.1f}" for v in values)
               + f"  {100 * never:5.1f}  {100 * always:6.1f}  {time.time() - t0:7.0f}", flush=True)
+    greedy = bgpo.evaluate(model, task, prompts, args, n_show=0)["solved"]
+    entropy = rl.policy_entropy(model, task, prompts, args)
+    print(f"greedy accuracy {sum(greedy) / len(greedy):.1%}, policy entropy {entropy:.3f} nats per position")
+    new = None
+    if args.reference:
+        new = new_solves(greedy, json.load(open(args.reference)), bgpo.TEMPERATURE)
+        print(f"new solves: {sum(new)} of {len(new)} problems ({sum(new) / len(new):.1%}), answered right "
+              f"greedily here, never solved by {args.reference}'s samples at temperature {bgpo.TEMPERATURE}")
     if args.json:
         cli.write_json(args.json, {"seed": args.seed, "problems": len(prompts), "samples": args.samples,
-                                   "table": table})
+                                   "table": table, "greedy": greedy, "entropy": entropy, "new_solves": new})
     return table
+
+def new_solves(greedy, reference, temperature):
+    """Per problem, 1 if answered right greedily (greedy: 0/1 per problem) and never solved in the reference's
+    samples by LLaDA's sampler at this temperature (reference: a --json of this command), else 0."""
+    row = next(r for r in reference["table"]
+               if (r["remasking"], r["temperature"]) == ("low_confidence", temperature))
+    if len(row["solves"]) != len(greedy):
+        raise bgpo.RunError(f"the reference scored {len(row['solves'])} problems, this model {len(greedy)}")
+    return [int(g == 1 and c == 0) for g, c in zip(greedy, row["solves"])]
 
 if __name__ == "__main__":
     cli.command_line(main, "python -m lab.reach")

@@ -13,8 +13,8 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, readme_figure, rl,
-                 sampler, stages)
+                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, reach, readme_figure,
+                 rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 from tiny_dllm import generate
@@ -511,3 +511,24 @@ def test_the_readme_figure_shows_what_the_run_printed_and_logged(tmp_path, capsy
     assert data["rollouts_solved"] == [(r["step"], r["solved"]) for r in log[1:]]
     png = readme_figure.main([*argv, "--png", str(tmp_path / "first.png")])
     assert png is None or os.path.getsize(png) < 200 * 1024
+
+def test_reach_reports_greedy_accuracy_entropy_and_new_solves_against_a_reference(tmp_path, capsys):
+    """python -m lab.reach: pass@k per sampler, then the greedy accuracy and the policy's entropy on the same
+    problems; with --reference (here the SFT model's own --json) the new solves: answered right greedily and
+    never solved in the reference's samples at the rollout temperature, checked against the two JSONs and on
+    made-up counts by hand. A reference of another number of problems is refused (RunError)."""
+    argv = tiny_argv(tmp_path, "--problems", "4", "--samples", "4")
+    reference = str(tmp_path / "sft.json")
+    reach.main([*argv, "--json", reference])
+    first = json.load(open(reference))
+    assert len(first["greedy"]) == 4 and first["new_solves"] is None and first["entropy"] > 0
+    sft = bgpo.sft_path(bgpo.parse_args(tiny_argv(tmp_path)))
+    reach.main([*argv, "--model", sft, "--reference", reference, "--json", str(tmp_path / "again.json")])
+    again = json.load(open(tmp_path / "again.json"))
+    counts = next(r for r in first["table"] if (r["remasking"], r["temperature"]) == ("low_confidence", 1.3))
+    assert again["new_solves"] == [int(g == 1 and c == 0) for g, c in zip(again["greedy"], counts["solves"])]
+    assert "new solves: " in capsys.readouterr().out
+    made_up = {"table": [{"remasking": "low_confidence", "temperature": 1.3, "solves": [0, 3, 0, 2]}]}
+    assert reach.new_solves([1, 1, 0, 0], made_up, 1.3) == [1, 0, 0, 0]
+    with pytest.raises(bgpo.RunError, match="the reference scored 4 problems, this model 3"):
+        reach.new_solves([1, 1, 0], made_up, 1.3)
