@@ -15,9 +15,9 @@ Simplifications versus LLaDA:
    ignore, and every task has one fixed completion length L.
 3. The supervised loss uses one masked copy per completion, with the mask count k drawn uniformly
    from 1..L (weight L/k) by default. LLaDA draws t ~ U(0,1), masks each token with probability
-   p_mask = (1 - eps) t + eps, eps = 1e-3, and weights by 1/p_mask (at most 1000). scheme="iid" here is
+   p_mask = (1 - f) t + f, a floor f = 1e-3, and weights by 1/p_mask (at most 1000). scheme="iid" here is
    that form without the floor: t ~ U(0,1], weight 1/t, unbounded, so its variance is infinite
-   (log-divergent as t -> 0). Both estimate the same ELBO (LLaDA's up to its floor, an O(eps) change); on
+   (log-divergent as t -> 0). Both estimate the same ELBO (LLaDA's up to its floor, an O(f) change); on
    4-16-token completions the count form's far lower variance makes SFT several times faster.
 
 Shapes: B batch, M masked copies per completion (n_t), N rows given to the network (B, or B x M copies),
