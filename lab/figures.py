@@ -75,6 +75,11 @@ def draw(figure, png_path):
         ax.set_title(panel["title"], fontsize=9)
         if panel["lines"]:
             ax.legend(fontsize=7)
+    return save(fig, png_path)
+
+def save(fig, png_path):
+    """Lay out a drawn matplotlib figure, write it to png_path (its folder made if need be), close it."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
     fig.savefig(png_path, dpi=80)

@@ -10,7 +10,7 @@ import sys
 
 import bgpo
 from lab import cli
-from lab.figures import read_log
+from lab.figures import read_log, save
 from tasks import encode, get_task
 from tiny_dllm import generate
 
@@ -72,12 +72,7 @@ def draw(data, png_path):
     rl.set_title("RL with the verifier", fontsize=9)
     for ax in (sft, rl):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
-    fig.savefig(png_path, dpi=80)
-    plt.close(fig)
-    print(f"wrote {png_path} ({os.path.getsize(png_path) // 1024} KB)")
-    return png_path
+    return save(fig, png_path)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
