@@ -516,7 +516,8 @@ def test_reach_reports_greedy_accuracy_entropy_and_new_solves_against_a_referenc
     """python -m lab.reach: pass@k per sampler, then the greedy accuracy and the policy's entropy on the same
     problems; with --reference (here the SFT model's own --json) the new solves: answered right greedily and
     never solved in the reference's samples at the rollout temperature, checked against the two JSONs and on
-    made-up counts by hand. A reference of another number of problems is refused (RunError)."""
+    made-up counts by hand. A reference of another number of problems is refused (RunError). --samplers
+    low_confidence draws LLaDA's sampler's samples alone, the same ones, and counts the same new solves."""
     argv = tiny_argv(tmp_path, "--problems", "4", "--samples", "4")
     reference = str(tmp_path / "sft.json")
     reach.main([*argv, "--json", reference])
@@ -532,3 +533,12 @@ def test_reach_reports_greedy_accuracy_entropy_and_new_solves_against_a_referenc
     assert reach.new_solves([1, 1, 0, 0], made_up, 1.3) == [1, 0, 0, 0]
     with pytest.raises(bgpo.RunError, match="the reference scored 4 problems, this model 3"):
         reach.new_solves([1, 1, 0], made_up, 1.3)
+    reach.main([*argv, "--model", sft, "--samplers", "low_confidence", "--reference", reference,
+                "--json", str(tmp_path / "lc.json")])
+    lc = json.load(open(tmp_path / "lc.json"))
+    assert [(r["remasking"], r["temperature"]) for r in lc["table"]] == [("low_confidence", 1.3),
+                                                                         ("low_confidence", 1.0)]
+    assert [r["solves"] for r in lc["table"]] == [r["solves"] for r in again["table"][:2]]   # the same draws
+    assert lc["new_solves"] == again["new_solves"]
+    with pytest.raises(SystemExit):
+        reach.main([*argv, "--samplers", "low-confidence"])
