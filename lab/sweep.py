@@ -14,7 +14,9 @@ before its first checkpoint, starts again: running the same command again finish
 
 The table: per arm, the mean over seeds of the final test accuracy on --final-eval-size problems, with
 its 95% interval (Student t over seeds), and the paired difference (same seed) from the SFT model and from
---reference, with their intervals. An interval that includes 0 means "not distinguishable here". Then what
+--reference, with their intervals. An interval that includes 0 means "not distinguishable here". With
+--at-step, the same table from the progress evaluations at an RL step, one for all arms (600) or one per arm
+(bgpo=1200,dyn=550: at equal seconds, when the steps are in the ratio of the arms' costs). Then what
 the RL runs logged (lab.rl's diagnostics). The figure: progress accuracy (the runs' progress evaluations,
 --eval-size problems) against the RL step, a line per arm with its 95% interval as a band, as it is and
 minus the seed's SFT model. With three or more arms that differ by --mc-samples alone (bgpo, nt1, nt2, ...),
@@ -246,9 +248,9 @@ def table(finals, reference, measure="accuracy"):
                      if paired and arm != reference else None))
     return rows
 
-def print_table(rows, reference, size, measure="accuracy"):
+def print_table(rows, reference, size, measure="accuracy", when=""):
     percent = measure != "entropy"
-    where = f"on the first {size} of those" if measure == "pass@32" else f"on {size} problems"
+    where = (f"on the first {size} of those" if measure == "pass@32" else f"on {size} problems") + when
     print(f"\n{MEASURES[measure]} {where}, mean over seeds [95% interval, Student t]; differences paired by "
           f"seed\n{'arm':<14} {'seeds':<11} {measure:<22} {'minus SFT model':<22} minus {reference}")
     for arm, seeds, value, minus_sft, minus_ref in rows:
@@ -271,6 +273,29 @@ def curves(jobs, key="accuracy"):
             if key in r:
                 out.setdefault(job["arm"], {}).setdefault(r["step"], {})[job["seed"]] = r[key]
     return out
+
+def parse_at_step(text, arms, reference):
+    """--at-step: "600" (every arm at RL step 600) or "bgpo=1200,dyn=550" (each arm named at its step; the
+    reference among them) -> {arm: step}."""
+    if text.isdigit():
+        return {arm: int(text) for arm in arms}
+    steps = {}
+    for part in text.split(","):
+        arm, _, step = part.partition("=")
+        if arm not in arms or arm in steps or not step.isdigit():
+            raise ValueError(f"--at-step must be like 600 or {reference}=1200,ARM=550 with ARM of --arms, "
+                             f"got {text!r}")
+        steps[arm] = int(step)
+    if reference not in steps:
+        raise ValueError(f"--at-step {text} names no step for the reference, {reference}")
+    return steps
+
+def at_step(jobs, steps):
+    """read_finals' shape from the progress evaluations (log.jsonl) of the finished runs: an arm's accuracy at
+    RL step steps[arm], and its SFT model's, the evaluation at step 0."""
+    return {arm: {seed: {"accuracy": value, "sft_accuracy": by_step[0][seed]}
+                  for seed, value in by_step.get(steps[arm], {}).items()}
+            for arm, by_step in curves(jobs).items() if arm in steps}
 
 def diagnostics(jobs):
     """Per RL arm, means over seeds of what its runs logged (lab.rl's diagnostics) in the first and the last
@@ -431,6 +456,8 @@ def main(argv=None):
            "temperature")
     a("--png", default=None, help="the figure's path (None: sweep.png in --out-dir); needs matplotlib")
     a("--table-only", action="store_true", help="read the finished runs, run nothing")
+    a("--at-step", action="append", default=[],
+      help="also the table at an RL step's progress evaluation: 600, or bgpo=1200,ARM=550 (repeatable)")
     args, flags = p.parse_known_args(argv)
     try:
         args.seeds = parse_seeds(args.seeds)
@@ -459,9 +486,15 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} is the sweep's to set, not a flag to pass to every run")
     try:
         jobs = plan(args, flags)
+        at_steps = [parse_at_step(text, args.arms, args.reference) for text in args.at_step]
     except ValueError as e:
         p.error(str(e))
     run_args = rl.parse_args(flags)   # what every run is given
+    for steps in at_steps:
+        for arm, step in steps.items():
+            if step > run_args.rl_steps or (step % run_args.eval_every and step != run_args.rl_steps):
+                p.error(f"--at-step: {arm}'s step {step} is not an evaluation; the runs evaluate every "
+                        f"{run_args.eval_every} RL steps to {run_args.rl_steps}")
     out_dir = run_args.out_dir
     print(f"sweep: {len(args.seeds)} seeds x {len(args.arms)} arms, {args.workers} workers x {args.threads} "
           f"thread(s); {sum(not j['done'] for j in jobs)} of {len(jobs)} jobs to run", flush=True)
@@ -484,6 +517,11 @@ def main(argv=None):
         more = table(finals, args.reference, measure)
         if len(more) > 1:
             print_table(more, args.reference, size, measure)
+    for steps in at_steps:
+        named = (f"RL step {next(iter(steps.values()))}" if len(set(steps.values())) == 1 else
+                 "RL steps " + ", ".join(f"{arm} {step}" for arm, step in steps.items()))
+        print_table(table(at_step(jobs, steps), args.reference), args.reference, run_args.eval_size,
+                    when=f", the progress evaluation at {named}")
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
     draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, run_args.eval_size), png)

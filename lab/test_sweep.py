@@ -129,6 +129,20 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
         "every arm of a seed starts from the same SFT model")
     assert "pass@32 (%) at the rollout temperature on the first 3 of those" in out
     assert "0 of 8 jobs to run" in (sweep.main(argv) and capsys.readouterr().out), "finished runs are read"
+    sweep.main([*argv, "--table-only", "--at-step", "1", "--at-step", "bgpo=1,rft=0"])
+    out = capsys.readouterr().out
+    assert "on 4 problems, the progress evaluation at RL step 1, mean" in out
+    assert "on 4 problems, the progress evaluation at RL steps bgpo 1, rft 0, mean" in out
+    logged = {(arm, s): {r["step"]: r["accuracy"] for r in map(json.loads, open(os.path.join(
+              sweep.run_folder(arm, s, flags, 12), "log.jsonl"))) if "accuracy" in r}
+              for arm in ("bgpo", "rft") for s in (0, 1)}
+    jobs = sweep.plan(sweep.argparse.Namespace(seeds=[0, 1], arms=["bgpo", "rft"], final_eval_size=12,
+                                               pass_at_k_size=3), flags)
+    rows = {row[0]: row for row in sweep.table(sweep.at_step(jobs, {"bgpo": 1, "rft": 0}), "bgpo")}
+    assert rows["bgpo"][2][0] == pytest.approx((logged["bgpo", 0][1] + logged["bgpo", 1][1]) / 2)
+    minus_bgpo = [logged["rft", s][0] - logged["bgpo", s][1] for s in (0, 1)]
+    assert rows["rft"][4][0] == pytest.approx(sum(minus_bgpo) / 2)
+    assert rows["SFT model"][2][0] == pytest.approx((logged["rft", 0][0] + logged["rft", 1][0]) / 2)
 
 def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_needs_failed(tmp_path, capsys):
     marks = tmp_path / "order.txt"
@@ -149,6 +163,10 @@ def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_n
     (["--seeds", "1,1"], "--seeds must be like 0-4"),
     (["--arms", "rft,sft-continued", "--reference", "rft"], "add bgpo to --arms"),
     (["--arms", "bgpo,rft", "--reference", "nt1"], "--reference nt1 is not one of --arms"),
+    (["--arms", "bgpo,rft", "--at-step", "rft=100"], "names no step for the reference, bgpo"),
+    (["--arms", "bgpo,rft", "--at-step", "bgpo=100,dyn=50"], "--at-step must be like 600 or bgpo=1200"),
+    (["--arms", "bgpo,rft", "--at-step", "210"], "bgpo's step 210 is not an evaluation; the runs evaluate"),
+    (["--arms", "bgpo,rft", "--at-step", "bgpo=400"], "bgpo's step 400 is not an evaluation"),
     (["--seeds", "4-0"], "--seeds must be like 0-4"),
     (["--run-n", "x"], "--run-name is the sweep's to set"),                    # an abbreviation too
     (["--neg-weight", "1", "--arms", "bgpo,neg-weight-1"], "two arms would write one folder"),
