@@ -688,8 +688,8 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except (RunError, torch.OutOfMemoryError) as e:   # out of memory outside RL's steps: the CPU size
-        message = e if isinstance(e, RunError) else "out of GPU memory: --size cpu runs the CPU size"
+    except (RunError, torch.OutOfMemoryError) as e:   # out of memory outside RL's steps: either remedy
+        message = e if isinstance(e, RunError) else "out of GPU memory: --size cpu, or --device cpu"
         print(f"bgpo.py: error: {message}", file=sys.stderr)
         code = 2
     if dist.is_initialized():   # leave together (on gloo one leaving while rank 0 writes can abort it), but

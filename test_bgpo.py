@@ -1070,12 +1070,12 @@ def test_out_of_gpu_memory_at_the_cpu_size_names_the_cpu(tmp_path, monkeypatch, 
 
 def test_out_of_gpu_memory_in_sft_ends_the_script_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Out of memory outside RL's steps (here SFT's first step, simulated on the CPU): one line naming the CPU
-    size, exit code 2, no traceback."""
+    size and the CPU (a run at the CPU size needs the second), exit code 2, no traceback."""
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
     monkeypatch.setattr(tiny_dllm, "sft_loss", out_of_memory)   # what bgpo.py imports as a script
     code, err = run_script(tiny_argv(tmp_path), monkeypatch, capsys)
-    assert (code, err) == (2, "bgpo.py: error: out of GPU memory: --size cpu runs the CPU size\n"), err
+    assert (code, err) == (2, "bgpo.py: error: out of GPU memory: --size cpu, or --device cpu\n"), err
 
 def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """bgpo.py --bench-memory: BGPO's activation memory stays flat while the naive objective's grows, and a
