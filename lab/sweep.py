@@ -16,7 +16,8 @@ The table: per arm, the mean over seeds of the final test accuracy on --final-ev
 its 95% interval (Student t over seeds), and the paired difference (same seed) from the SFT model and from
 --reference, with their intervals. An interval that includes 0 means "not distinguishable here". With
 --at-step, the same table from the progress evaluations at an RL step, one for all arms (600) or one per arm
-(bgpo=1200,dyn=550: at equal seconds, when the steps are in the ratio of the arms' costs). Then what
+(bgpo=1200,dyn=550: at equal seconds, when the steps are in the ratio of the arms' costs). Where a run's
+folder holds lab.reach's reach.json (--reference, --json RUN/reach.json), the table of new solves. Then what
 the RL runs logged (lab.rl's diagnostics). The figure: progress accuracy (the runs' progress evaluations,
 --eval-size problems) against the RL step, a line per arm with its 95% interval as a band, as it is and
 minus the seed's SFT model. With three or more arms that differ by --mc-samples alone (bgpo, nt1, nt2, ...),
@@ -211,7 +212,8 @@ def run_jobs(jobs, workers, threads):
 # The table and the figure, from the runs' files
 
 MEASURES = {"accuracy": "greedy accuracy (%)", "pass@32": "pass@32 (%) at the rollout temperature",
-            "entropy": "entropy (nats per position) of the policy"}
+            "entropy": "entropy (nats per position) of the policy",
+            "new solves": "new solves (%), right greedily and never in the SFT model's lab.reach samples,"}
 
 def read_finals(jobs, size):
     """{arm: {seed: final.json}} of the finished runs scored on `size` problems, with pass@32 (of the final
@@ -224,6 +226,11 @@ def read_finals(jobs, size):
             for prefix in ("", "sft_"):
                 if prefix + "pass_at_k" in final:
                     final[prefix + "pass@32"] = final[prefix + "pass_at_k"][str(rl.PASS_SAMPLES)]
+            reach = os.path.join(job["folder"], "reach.json")   # lab.reach --reference's, where it ran
+            solves = json.load(open(reach)).get("new_solves") if os.path.isfile(reach) else None
+            if solves:
+                final["new solves"], final["reach_problems"] = sum(solves) / len(solves), len(solves)
+                final["sft_new solves"] = 0.0   # by definition
             finals.setdefault(job["arm"], {})[job["seed"]] = final
     return finals
 
@@ -513,7 +520,10 @@ def main(argv=None):
             print(f"  {job['folder']}: python {' '.join(job['argv'])}")
     any_final = next(iter(next(iter(finals.values())).values()))
     print_table(rows, args.reference, any_final["size"])
-    for measure, size in (("pass@32", any_final.get("pass_at_k_size")), ("entropy", any_final["size"])):
+    reached = [final["reach_problems"] for runs in finals.values() for final in runs.values()
+               if "reach_problems" in final]
+    for measure, size in (("pass@32", any_final.get("pass_at_k_size")), ("entropy", any_final["size"]),
+                          ("new solves", reached[0] if reached else 0)):
         more = table(finals, args.reference, measure)
         if len(more) > 1:
             print_table(more, args.reference, size, measure)

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -143,6 +144,17 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     minus_bgpo = [logged["rft", s][0] - logged["bgpo", s][1] for s in (0, 1)]
     assert rows["rft"][4][0] == pytest.approx(sum(minus_bgpo) / 2)
     assert rows["SFT model"][2][0] == pytest.approx((logged["rft", 0][0] + logged["rft", 1][0]) / 2)
+    for (arm, seed), solves in {("bgpo", 0): [1, 0, 0, 0], ("bgpo", 1): [0, 0, 0, 0],   # as lab.reach --json
+                                ("rft", 0): [1, 1, 0, 0], ("rft", 1): [1, 1, 1, 0]}.items():   # writes them
+        with open(os.path.join(sweep.run_folder(arm, seed, flags, 12), "reach.json"), "w") as f:
+            json.dump({"new_solves": solves}, f)
+    sweep.main([*argv, "--table-only"])
+    new_solves = capsys.readouterr().out.split("\nnew solves (%)")[1]
+    assert " on 4 problems, mean" in new_solves.split("\n")[0]
+    # shares by hand: bgpo 1/4, 0/4; rft 2/4, 3/4; rft minus bgpo 1/4, 3/4; half-widths 12.706 x |a - b| / 2
+    assert re.search(r"\nbgpo +0,1 +12\.5 \[-146\.3, 171\.3\] +\+12\.5 \[", new_solves), new_solves
+    assert re.search(r"\nrft +0,1 +62\.5 \[-96\.3, 221\.3\] +\+62\.5 \[-96\.3, \+221\.3\] +\+50\.0 "
+                     r"\[-267\.7, \+367\.7\]", new_solves), new_solves   # minus the SFT model: its 0
 
 def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_needs_failed(tmp_path, capsys):
     marks = tmp_path / "order.txt"
