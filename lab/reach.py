@@ -53,7 +53,7 @@ def main(argv=None):
     if args.problems < 1 or args.samples < 1:
         p.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
     orders = args.samplers.split(",")
-    if not orders or any(order not in ("low_confidence", "random") for order in orders):
+    if any(order not in ("low_confidence", "random") for order in orders):
         p.error(f"--samplers must name low_confidence and/or random, got {args.samplers!r}")
     task = get_task(args.task)
     model = bgpo.load_model(args.model, task, args) if args.model else bgpo.sft_model(args, task)

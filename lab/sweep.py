@@ -297,12 +297,12 @@ def parse_at_step(text, arms, reference):
         raise ValueError(f"--at-step {text} names no step for the reference, {reference}")
     return steps
 
-def at_step(jobs, steps):
-    """read_finals' shape from the progress evaluations (log.jsonl) of the finished runs: an arm's accuracy at
-    RL step steps[arm], and its SFT model's, the evaluation at step 0."""
+def at_step(accuracy, steps):
+    """read_finals' shape from the progress evaluations (accuracy: curves(jobs)): an arm's accuracy at RL step
+    steps[arm], and its SFT model's, the evaluation at step 0."""
     return {arm: {seed: {"accuracy": value, "sft_accuracy": by_step[0][seed]}
                   for seed, value in by_step.get(steps[arm], {}).items()}
-            for arm, by_step in curves(jobs).items() if arm in steps}
+            for arm, by_step in accuracy.items() if arm in steps}
 
 def diagnostics(jobs):
     """Per RL arm, means over seeds of what its runs logged (lab.rl's diagnostics) in the first and the last
@@ -527,14 +527,15 @@ def main(argv=None):
         more = table(finals, args.reference, measure)
         if len(more) > 1:
             print_table(more, args.reference, size, measure)
+    accuracy = curves(jobs)
     for steps in at_steps:
         named = (f"RL step {next(iter(steps.values()))}" if len(set(steps.values())) == 1 else
                  "RL steps " + ", ".join(f"{arm} {step}" for arm, step in steps.items()))
-        print_table(table(at_step(jobs, steps), args.reference), args.reference, run_args.eval_size,
+        print_table(table(at_step(accuracy, steps), args.reference), args.reference, run_args.eval_size,
                     when=f", the progress evaluation at {named}")
     diagnostics(jobs)
     png = args.png or os.path.join(out_dir, "sweep.png")
-    draw(sweep_figure(curves(jobs), curves(jobs, "eval_entropy"), finals, run_args.eval_size), png)
+    draw(sweep_figure(accuracy, curves(jobs, "eval_entropy"), finals, run_args.eval_size), png)
     n_t_of = mc_samples_arms(args.arms, flags)
     if len(n_t_of) >= 3 and args.reference in n_t_of:   # a curve in n_t: its table and figure
         costs = step_costs(jobs)

@@ -134,12 +134,13 @@ def test_a_tiny_sweep_runs_every_arm_of_every_seed_and_tabulates_its_runs(tmp_pa
     out = capsys.readouterr().out
     assert "on 4 problems, the progress evaluation at RL step 1, mean" in out
     assert "on 4 problems, the progress evaluation at RL steps bgpo 1, rft 0, mean" in out
-    logged = {(arm, s): {r["step"]: r["accuracy"] for r in map(json.loads, open(os.path.join(
-              sweep.run_folder(arm, s, flags, 12), "log.jsonl"))) if "accuracy" in r}
+    logged = {(arm, s): {r["step"]: r["accuracy"] for r in read_log(os.path.join(
+              sweep.run_folder(arm, s, flags, 12), "log.jsonl")) if "accuracy" in r}
               for arm in ("bgpo", "rft") for s in (0, 1)}
     jobs = sweep.plan(sweep.argparse.Namespace(seeds=[0, 1], arms=["bgpo", "rft"], final_eval_size=12,
                                                pass_at_k_size=3), flags)
-    rows = {row[0]: row for row in sweep.table(sweep.at_step(jobs, {"bgpo": 1, "rft": 0}), "bgpo")}
+    rows = {row[0]: row for row in sweep.table(sweep.at_step(sweep.curves(jobs), {"bgpo": 1, "rft": 0}),
+                                                         "bgpo")}
     assert rows["bgpo"][2][0] == pytest.approx((logged["bgpo", 0][1] + logged["bgpo", 1][1]) / 2)
     minus_bgpo = [logged["rft", s][0] - logged["bgpo", s][1] for s in (0, 1)]
     assert rows["rft"][4][0] == pytest.approx(sum(minus_bgpo) / 2)
