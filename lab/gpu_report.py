@@ -4,7 +4,7 @@ in at most --minutes (8: a lent machine's session), with its logs and a short re
 most 8 files.
 
     python -m lab.gpu_report [--out DIR]    # on a machine with a CUDA GPU (DIR: $OUT, else out/gpu_report)
-    python -m lab.gpu_report --dry-run      # the same commands with tiny flags, on the CPU (a test runs it)
+    python -m lab.gpu_report --dry-run      # the same commands with tiny flags, on the CPU (tests run each)
 
 What it runs, each with a time limit, the GPU's memory capped at 24 GiB (a consumer card on a bigger one):
 1. alone, so that its timings are the card's (at most 1, 1, 1 and 4 minutes; on an H200 the first 16 s, the
@@ -59,7 +59,7 @@ def commands(runs_dir, dry_run):
     bench = [py, "-m", "lab.bench_step", "--size", "gpu", "--cap-gib", "24", "--steps", "10", "--warmup", "3"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
                 "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
-    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # (the dry run is a test)
+    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # (the dry run runs in a test)
     if dry_run:   # each kind of command once, side by side (its timings mean nothing), in seconds
         return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0", "--profile"]),
                 (2, "countdown.log", "countdown", bgpo_py + tiny),

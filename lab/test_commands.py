@@ -5,6 +5,7 @@ the estimator lab, the memory table, the comparison figure; bad flags exit 2 wit
 import json
 import os
 import re
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -301,18 +302,58 @@ def test_the_memory_cap_names_the_gpu_by_its_index(monkeypatch):
         capped.cap_memory(device, gib)
     assert calls == [(0.25, 0), (0.25, 1), (1.0, 0)], calls
 
-def test_the_gpu_reports_dry_run_runs_each_of_its_commands_on_the_cpu(tmp_path):
-    """python -m lab.gpu_report --dry-run: each kind of command a GPU session runs (the step benchmark,
-    bgpo.py at the GPU size, its memory table, torchrun, pytest), with tiny flags, side by side on the CPU, so
-    that the GPU's one command cannot rot between the sessions lent a GPU. Each exits 0, and the report shows
-    its result lines (each command's own, where two share a log), in at most 8 files."""
+DRY_RUN = {name: (log, argv) for _, log, name, argv in gpu_report.commands("RUNS", dry_run=True)}
+
+@pytest.mark.parametrize("name, shown", [
+    ("bench_step", ["| ops: sampler update optim. other  total | syncs: sampler update optim. other | path",
+                    "profile of one bgpo.py step"]),
+    ("countdown", ["test accuracy 0.0% -> "]),
+    ("bench-memory", [" n_t | naive MiB BGPO MiB"]),
+    ("torchrun", ["(torchrun_first_steps: "])])
+def test_each_command_of_the_gpu_reports_dry_run_runs_on_the_cpu(name, shown, tmp_path, monkeypatch, capsys):
+    """python -m lab.gpu_report --dry-run runs, side by side on the CPU, each kind of command a GPU session
+    runs, with tiny flags, so that the GPU's one command cannot rot between the sessions lent a GPU. Here each
+    command's own argv runs in this process (a Python process each would take longer than the test may): it
+    ends without error, and the lines the report keeps from its output hold its result. torchrun's
+    one process runs bgpo.py as one process does, in torchrun's environment; the launcher itself is
+    test_bgpo.py's test of two processes."""
+    _, argv = DRY_RUN[name]
+    argv = [str(tmp_path) if a == "RUNS" else a for a in argv]
+    assert argv[:2] == [sys.executable, "-m"], argv
+    module, args = argv[2], argv[3:]
+    if module == "torch.distributed.run":
+        assert args[:2] == ["--standalone", "--nproc_per_node=1"], args
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+            monkeypatch.setenv(key, value)
+        module, args = "lab.capped", ["24"] + args[2:]          # bgpo.py and its flags, as the launcher runs
+    monkeypatch.chdir(gpu_report.ROOT)                            # where the report runs its commands
+    try:
+        {"lab.bench_step": bench_step.main, "lab.capped": capped.main}[module](args)
+    except SystemExit as end:                                     # bgpo.py ends with sys.exit(its code)
+        assert end.code in (0, None), end.code
+    out = capsys.readouterr().out
+    kept = "\n".join(gpu_report.result_lines(out))
+    for line in shown:
+        assert line in kept, (line, kept)
+
+def test_the_gpu_report_runs_its_commands_and_reports_each_from_its_own_log(tmp_path, monkeypatch):
+    """gpu_report.main with stand-in commands, quick Python lines that print a result line each: phase 1
+    alone and in order, phase 2 side by side, two commands in one log after each other. The report gives
+    each command's exit code and its own result lines, not those of the command before it in its log, in
+    at most 8 files."""
+    say = lambda text, code=0: [sys.executable, "-c", f"print({text!r}); raise SystemExit({code})"]
+    planned = [(1, "bench.log", "bench_step", say("profile of one bgpo.py step")),
+               (1, "countdown.log", "countdown", say("test accuracy 0.0% -> 12.5%")),
+               (2, "memory.log", "bench-memory", say(" n_t | naive MiB BGPO MiB")),
+               (2, "memory.log", "torchrun", say("(torchrun_first_steps: 3 s on cpu)", 1)),
+               (2, "pytest.log", "pytest", say("3 passed in 0.1s"))]
+    monkeypatch.setattr(gpu_report, "commands", lambda runs_dir, dry_run: planned)
     done = gpu_report.main(["--dry-run", "--out", str(tmp_path)])
     assert [(name, code) for name, _, _, code, _, _ in done] == [
-        ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 0), ("pytest", 0)]
+        ("bench_step", 0), ("countdown", 0), ("bench-memory", 0), ("torchrun", 1), ("pytest", 0)]
+    assert done[0][5] <= done[1][4], "phase 1: one command after the other"
     report = (tmp_path / "report.md").read_text()
-    for shown in ("| ops: sampler update optim. other  total | syncs: sampler update optim. other | path",
-                  "profile of one bgpo.py step", "test accuracy 0.0% -> ",
-                  " n_t | naive MiB BGPO MiB", "(torchrun_first_steps: ", "pytest ",
+    for shown in ("## torchrun: exit code 1", "test accuracy 0.0% -> 12.5%", "3 passed in 0.1s",
                   "Every command ran side by side (a dry run)."):
         assert shown in report, (shown, report)
     memory_table = report[report.index("## bench-memory"):report.index("## torchrun")]
