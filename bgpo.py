@@ -441,11 +441,12 @@ def run_rl(args, task, model):
         evaluation = step % args.eval_every == 0 or step == args.rl_steps   # and a checkpoint
         if evaluation:
             line += " | " + score_test_problems(model, task, args, r)
+            quiet = 0 if any(q["solve_groups"] for q in records if q["step"] > saved) else step - saved
             rngs, saved = everyone([generator.get_state(), noise.get_state()], args), step   # for --resume
         print(line)
-        if evaluation and not any(q.get("solve_groups", 1) for q in records[-args.eval_every:]):
+        if evaluation and quiet:   # no RL step since the last evaluation had a solve group
             print(f"warning: no solve group (a solve and a miss: the solves RL reinforces) in the last "
-                  f"{min(step, args.eval_every)} RL steps; {r['solved']:.0%} of this step's rollouts solve"
+                  f"{quiet} RL steps; {r['solved']:.0%} of this step's rollouts solve"
                   + ("" if r["solved"] >= .5 else ": more SFT (--sft-steps, --demos) or another --seed"))
         if args.rank == 0:   # the log line first, so that a resume from the checkpoint finds it
             with open(log_path, "a") as f:

@@ -719,29 +719,36 @@ def test_two_rl_steps_run_for_each_objective(tmp_path, objective):
     for r in records[1:]:                                                 # what tells the run's health
         assert 0 <= r["mixed_groups"] <= 1 and 0 <= r["solved"] <= 1 and r["reward_std"] >= 0
 
-@pytest.mark.parametrize("rewards, warning", [
-    ("solve, miss, ...", None),
-    ("all missed", "in the last 1 RL steps; 0% of this step's rollouts solve: more SFT (--sft-steps"),
-    ("all solved", "in the last 1 RL steps; 100% of this step's rollouts solve\n")])
-def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, rewards,
-                                                                     warning):
+SOLVE_MISS, MISSED, SOLVED = "solve, miss, ...", "all missed", "all solved"
+NO_SOLVE_GROUP = "warning: no solve group (a solve and a miss: the solves RL reinforces) in the last "
+
+@pytest.mark.parametrize("steps, eval_every, warnings", [
+    ([SOLVE_MISS], 1, []),
+    ([MISSED], 1, ["1 RL steps; 0% of this step's rollouts solve: more SFT (--sft-steps"]),
+    ([SOLVED], 1, ["1 RL steps; 100% of this step's rollouts solve\n"]),
+    ([MISSED, MISSED], 5, ["2 RL steps; 0%"]),                      # fewer RL steps than --eval-every
+    ([SOLVE_MISS, MISSED, MISSED], 2, ["1 RL steps; 0%"])])         # the last evaluation off the beat
+def test_an_rl_run_with_no_group_holding_a_solve_and_a_miss_says_so(tmp_path, monkeypatch, capsys, steps,
+                                                                     eval_every, warnings):
     """Only a group with both a solve and a miss reinforces a solve. A run without one used to go on in
-    silence (the SFT model of a plateau solved nothing); it now warns at each evaluation, with the share of
-    rollouts that solve, and what to do when it is small."""
-    real = bgpo.sample_rollouts
+    silence (the SFT model of a plateau solved nothing); it now warns at each evaluation where no RL step
+    since the one before had one, with the share of rollouts that solve, and what to do when it is small."""
+    real, script = bgpo.sample_rollouts, iter(steps)
 
     def scripted_rollouts(model, task, prompts, args, generator):
         x, y, r = real(model, task, prompts, args, generator)
-        return x, y, {"solve, miss, ...": torch.arange(len(r)) % 2, "all missed": torch.zeros(len(r)),
-                      "all solved": torch.ones(len(r))}[rewards].double()
+        return x, y, {SOLVE_MISS: torch.arange(len(r)) % 2, MISSED: torch.zeros(len(r)),
+                      SOLVED: torch.ones(len(r))}[next(script)].double()
 
     monkeypatch.setattr(bgpo, "sample_rollouts", scripted_rollouts)
-    bgpo.main(tiny_argv(tmp_path, "--rl-steps", "1", "--sft-steps", "2", "--sft-eval-every", "2"))
+    bgpo.main(tiny_argv(tmp_path, "--rl-steps", str(len(steps)), "--eval-every", str(eval_every),
+                        "--sft-steps", "2", "--sft-eval-every", "2"))
     out = capsys.readouterr().out
-    record = read_log(tmp_path / "arithmetic_bgpo_nt4_seed0" / "log.jsonl")[1]
-    assert record["solve_groups"] == (1.0 if warning is None else 0.0)
-    expected = "warning: no solve group (a solve and a miss: the solves RL reinforces) " + (warning or "")
-    assert ("warning:" not in out) if warning is None else (expected in out), out[-600:]
+    records = read_log(tmp_path / "arithmetic_bgpo_nt4_seed0" / "log.jsonl")[1:]
+    assert [r["solve_groups"] for r in records] == [float(s == SOLVE_MISS) for s in steps]
+    assert out.count("warning:") == len(warnings), out[-600:]
+    for warning in warnings:
+        assert NO_SOLVE_GROUP + warning in out, out[-600:]
 
 def test_one_on_policy_adamw_step_gives_the_same_parameters_for_bgpo_and_naive():
     model, x, y, mc, old_terms, A = on_policy_setup()
@@ -781,7 +788,7 @@ def test_updating_every_row_gives_the_update_that_leaves_the_tied_groups_out(tmp
     weights, short_sft = {}, ["--sft-steps", "2", "--sft-eval-every", "2"]
     for flag in ("--skip-tied", "--no-skip-tied"):
         bgpo.main(tiny_argv(tmp_path, flag, f"--run-name={flag}", *short_sft))
-        weights[flag] = torch.load(tmp_path / flag / "ckpt.pt")["model"]
+        weights[flag] = torch.load(tmp_path / flag / "ckpt.pt", weights_only=True)["model"]
     sft_path = bgpo.sft_path(tiny_args(tmp_path, *short_sft))
     sft = bgpo.load_checkpoint(sft_path, get_task("arithmetic"))["model"]
     for name, w in weights["--skip-tied"].items():
