@@ -297,7 +297,7 @@ def measure_update(model, update, repeats=3):
             times.append(time.perf_counter() - t0)
         return {"mb": memory.peak / 2**20, "s": statistics.median(times),
                 "cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
-    except torch.OutOfMemoryError:   # CUDA's or MPS's
+    except torch.OutOfMemoryError:   # torch.cuda.OutOfMemoryError is this class
         return None
     finally:
         model.zero_grad(set_to_none=True)
