@@ -59,7 +59,7 @@ def commands(runs_dir, dry_run):
     bench = [py, "-m", "lab.bench_step", "--size", "gpu", "--cap-gib", "24", "--steps", "10", "--warmup", "3"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "bgpo.py", "--size",
                 "gpu", "--out-dir", runs_dir, "--rl-steps", "20", "--run-name", "torchrun_first_steps"]
-    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # (the dry run runs in a test)
+    pytest = [py, "-m", "pytest", "-q"] + (["--version"] if dry_run else [])   # dry run: does pytest start?
     if dry_run:   # each kind of command once, side by side (its timings mean nothing), in seconds
         return [(2, "bench.log", "bench_step", bench + tiny + ["--steps", "1", "--warmup", "0", "--profile"]),
                 (2, "countdown.log", "countdown", bgpo_py + tiny),
