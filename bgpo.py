@@ -6,7 +6,7 @@ replaces, and the script that runs them: SFT on demonstrations, then RL with a v
 A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t masked copies y_t of each rollout
 y (a completion sampled in RL; names as in the README's table). The naive objective exp(mean_j d_j) A couples
 the copies through the exp: as one autograd graph it keeps all n_t copies' activations alive. BGPO replaces it
-by a lower bound that is a sum over copies, so backward runs one copy at a time, in one copy's memory.
+by a lower bound that is a sum over copies: backward runs --mc-chunk copies at a time, in their memory alone.
 On-policy (the default, and the paper's main setting) every d_j is 0 and the bound equals the naive objective
 in value and gradient: BGPO's update IS the naive gradient, accumulated one masked copy at a time. Off-policy
 (--minibatches 2) the two differ. Departures from the paper: the README's last section, and where made.
@@ -502,9 +502,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, without the usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-def make_parser():
+def make_parser(add_help=True):
     p = ArgumentParser(prog="bgpo.py", description="SFT, then BGPO RL of a tiny masked diffusion LM.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
     run, model, sft, rl = (p.add_argument_group(title).add_argument   # --help lists them in groups
                            for title in ("what to run", "the model", "SFT", "RL"))
     run("--task", choices=TASKS, default="countdown", help="the task")
@@ -541,7 +541,7 @@ def make_parser():
     rl("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     rl("--group-size", type=int, default=8, help="rollouts per prompt, G")
     rl("--eval-every", type=int, default=50, help="RL steps between test evaluations and checkpoints")
-    rl("--eval-size", type=int, default=1000, help="test problems, the first of the task's test split")
+    rl("--eval-size", type=int, default=1000, help="test problems: one seeded draw from the test split")
     return p
 
 def check_args(p, args):
@@ -590,7 +590,7 @@ def parse_args(argv=None):
     tensor cores (Ampere on), else float32; BGPO's --mc-chunk, the most masked copies (8, 4, 2, 1) whose
     activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's."""
     p = make_parser()
-    given = p.parse_known_args(argv)[0]
+    given = make_parser(add_help=False).parse_known_args(argv)[0]   # --help shows the device's defaults
     device = pick_device(p, given.device)
     card = torch.cuda.get_device_properties(device) if device.startswith("cuda") else None
     dtype = given.dtype or ("bfloat16" if card and (card.major, card.minor) >= (8, 0) else "float32")

@@ -1,6 +1,6 @@
 """
 The tutorial's claims as tests: each computes one quantity two independent ways (or against a value
-worked out by hand). Everything runs in float64 on CPU, on tiny models, in seconds. The lab's tests
+worked out by hand). All run on CPU in seconds, most in float64 on tiny models. The lab's tests
 are in lab/test_*.py; one command runs both.
 
     python -m pytest -q                     # all of them, with the lab's
@@ -992,7 +992,7 @@ CARDS = {"RTX 4090": (24, 8, 9), "A100 80GB": (80, 8, 0), "RTX 2070": (8, 7, 5),
 @pytest.mark.parametrize("card, dtype, chunk", [("RTX 4090", "bfloat16", 8), ("A100 80GB", "bfloat16", 8),
                                                ("RTX 2070", "float32", 2), ("T4", "float32", 4),
                                                ("Quadro K620", "float32", None)])
-def test_size_auto_fits_the_card(monkeypatch, card, dtype, chunk):
+def test_size_auto_fits_the_card(monkeypatch, capsys, card, dtype, chunk):
     """--size auto (the default) on CUDA takes the GPU size's defaults with the most masked copies a backward
     (8, 4, 2 or 1, at every size) whose activations, COPY_GIB each, fit in half the card's memory, or the CPU
     size's where even one does not. By hand: 8 GB (7.45 GiB) in float32 has 3.73 GiB for 2 x 1.06, not 4
@@ -1017,6 +1017,11 @@ def test_size_auto_fits_the_card(monkeypatch, card, dtype, chunk):
     assert (explicit.size, explicit.mc_chunk, explicit.size_auto) == ("gpu", chunk or 1, "")
     told = bgpo.parse_args(["--device", "cpu"])   # a CUDA machine, told --device cpu
     assert (told.size, told.dtype, told.size_auto) == ("cpu", "float32", " (--size auto: --device cpu)")
+    with pytest.raises(SystemExit):   # --help lists the defaults this card gets, not the CPU size's
+        bgpo.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {dtype})" in shown and f"(default: {chunk or 1})" in shown, shown
+    assert f"transformer blocks (default: {args.n_layer})" in shown, shown
 
 def test_size_auto_is_the_cpu_size_without_cuda(monkeypatch):
     """Without CUDA (the CPU, Apple's MPS) --size auto is the CPU size, in float32, and says why; an explicit
