@@ -41,7 +41,7 @@ from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process,
 @dataclass
 class MCSamples:
     """n_t masked copies per completion: mask (B, M, L) bool and weight (B, M), the 1/t factor.
-    Drawn once per batch of rollouts and used for both pi_theta and pi_old (coupling)."""
+    Drawn once per batch of rollouts and used for both pi_theta and pi_old: d_j compares them on one copy."""
     mask: torch.Tensor
     weight: torch.Tensor
 
@@ -191,8 +191,8 @@ def make_model(task, args):   # a model of the flags' size for the task, on --de
                                 task.prompt_len + task.gen_len, task.tokenizer.mask_id)).to(args.device)
 
 def autocast(args):
-    """With --dtype bfloat16, nanoGPT's bf16 autocast (logits come back float32). It casts each weight once a
-    region and keeps the cast: a region holds a phase whose weights do not move, never an optimizer step."""
+    """With --dtype bfloat16, nanoGPT's bf16 autocast (logits come back float32). A region casts each weight
+    once and reuses the cast, so a region wraps a phase whose weights stay put: never an optimizer step."""
     bf16 = args.dtype == "bfloat16"
     return torch.autocast(args.device.split(":")[0], torch.bfloat16) if bf16 else contextlib.nullcontext()
 
@@ -407,14 +407,14 @@ def run_rl(args, task, model):
         losses = []
         with contextlib.nullcontext() if cuda else ActivationMemory(model) as memory:   # CUDA: no hooks' time
             for rows in torch.arange(B).chunk(args.minibatches):
-                signal, rollouts = rows_to_update(rows, A, x, y, mc, old_terms, args)
+                signal, inputs = rows_to_update(rows, A, x, y, mc, old_terms, args)
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
                 with autocast(args):
                     if signal and args.objective == "bgpo":   # backward per --mc-chunk copies
-                        loss = bgpo_backward(model, *rollouts, clip_eps, args.mc_chunk)
+                        loss = bgpo_backward(model, *inputs, clip_eps, args.mc_chunk)
                     elif signal:                               # one graph over all n_t copies
-                        naive = naive_loss(model, *rollouts, clip_eps)
+                        naive = naive_loss(model, *inputs, clip_eps)
                         naive.backward()
                         loss = naive.item()
                 loss, mean_rows = average_gradients(model, args, loss, signal)  # means over processes

@@ -8,9 +8,10 @@ Three tasks, each a prompt string -> answer string map with a reward that a prog
                                                   0.1 if well formed but wrong, else 0
     sudoku       "1.3.|..." 4x4 -> 16 digits      reward = fraction of blank cells filled correctly
 
-Countdown and Sudoku are the paper's planning tasks (BGPO Sec. 4; its Sudoku, d1's, is 4x4 too). What
-shrank is the answer: the model writes the sum, the expression or the grid alone, with no reasoning, in
-a completion of 4-16 characters, so that a 0.6M-parameter model learns them on a CPU.
+Countdown and Sudoku are the paper's planning tasks (BGPO Sec. 4; its Sudoku, from d1, an earlier RL
+method for dLLMs, is 4x4 too). What shrank is the answer: the model writes the sum, the expression or
+the grid alone, with no reasoning, in a completion of 4-16 characters, so that a 0.6M-parameter model
+learns them on a CPU.
 
 Simplifications versus the paper:
 1. Character-level tokens and fixed-length prompts and completions per task (the paper uses
