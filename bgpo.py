@@ -95,7 +95,7 @@ def ppo_clip(ratio, A, clip_eps):
 
 def naive_objective(d, A, clip_eps=None):
     """R_hat = exp(mean_j d_j) * A per completion (Eq. 7): (B, M) log-ratios -> (B,). exp(mean_j d_j)
-    estimates the per-token importance ratio (pi_theta / pi_old)^(1/L); the exp couples the M copies."""
+    stands in for the per-token importance ratio (pi_theta / pi_old)^(1/L); the exp couples the M copies."""
     return ppo_clip(d.mean(1).exp(), A, clip_eps)
 
 def bgpo_bound(d, A, n_t, clip_eps=None):
@@ -103,8 +103,8 @@ def bgpo_bound(d, A, n_t, clip_eps=None):
     with R_lb = sum over all n_t copies of g_j <= R_hat.
       A >= 0: e^m >= 1 + m for m = mean_j d_j (Lemma 1, the tangent at 0), so exp(m) A >= mean(1 + d_j) A.
       A <  0: e^m <= mean e^{d_j} (Lemma 2, Jensen), and A < 0 flips it: exp(m) A >= mean(e^{d_j}) A.
-    Both hold with PPO's clip applied per copy too (min(r A, clip(r) A) is concave in r and moves with r as
-    A's sign says, so both inequalities survive it). Both equal R_hat when every d_j = 0, i.e. on-policy.
+    Both hold with PPO's clip per copy: f(r) = min(r A, clip(r) A) is concave and moves with r as A's sign
+    says, so f(e^m) >= f(mean of the copies' terms) >= mean_j f(term j). Both are R_hat when every d_j = 0.
     1 + d is used as is, never as DARE's exp(log(1 + d)), NaN for d < -1 (its gradient NaN at -1)."""
     A = A[:, None]
     positive = A >= 0
