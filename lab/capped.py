@@ -23,6 +23,9 @@ def cap_memory(device, gib):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        sys.exit(0)
     try:
         gib, script, *rest = float(argv[0]), argv[1], *argv[2:]
     except (IndexError, ValueError):

@@ -14,8 +14,8 @@ import torch
 
 import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
-                 figures, gpu_report, graphs, negatives, objectives, offpolicy, phases, reach, readme_figure,
-                 rl, sampler, stages)
+                 entropy_mechanism, figures, gpu_report, graphs, negatives, objectives, offpolicy, phases,
+                 reach, readme_figure, rl, sampler, stages)
 from lab.testing import tiny_argv
 from tasks import get_task
 from tiny_dllm import generate
@@ -277,7 +277,7 @@ def test_the_graphed_sampler_draws_what_the_eager_sampler_draws(tmp_path):
                 p.add_(torch.randn_like(p), alpha=0.05)
     assert sampler.captures == 1 and torch.equal(graphed.get_state(), eager.get_state())
 
-def test_the_capped_runner_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp_path, capsys):
+def test_capped_answers_help_and_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp_path, capsys):
     """python -m lab.capped GIB SCRIPT: a script that is not there, or a cap that is not a positive number,
     exits 2 with one line (it used to end in a FileNotFoundError traceback)."""
     for argv, message in [(["24", str(tmp_path / "missing.py")], "no script"), (["-3", "bgpo.py"], "GIB > 0"),
@@ -286,6 +286,9 @@ def test_the_capped_runner_refuses_a_missing_script_or_a_bad_cap_in_one_line(tmp
             capped.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit) as e:   # --help: its usage, exit code 0
+        capped.main(["--help"])
+    assert e.value.code == 0 and "python -m lab.capped 24 bgpo.py" in capsys.readouterr().out
 
 def test_the_memory_cap_names_the_gpu_by_its_index(monkeypatch):
     """torch.cuda.set_per_process_memory_fraction wants a device index and refused the bare "cuda" that
@@ -421,7 +424,7 @@ def test_control_continues_sft_for_the_training_time_of_the_rl_run(tmp_path, cap
     assert e.value.code == 2 and "no RL log" in err and err.count("\n") == 1, err
 
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
-                                     negatives, offpolicy, stages])
+                                     entropy_mechanism, negatives, offpolicy, reach, stages])
 def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
     with pytest.raises(SystemExit) as e:
         command.main(["--help"])
@@ -431,7 +434,7 @@ def test_every_lab_command_lists_its_flags_with_defaults(command, capsys):
         "the lab's flags, with bgpo.py's constants as defaults")
 
 @pytest.mark.parametrize("command", [rl, bench_estimators, bench_memory, compare, control, dtrpo_offline,
-                                     negatives, offpolicy, stages])
+                                     entropy_mechanism, negatives, offpolicy, reach, stages])
 @pytest.mark.parametrize("extra", [["--temperature", "-1"], ["--sft-lr", "1e-3"], ["--rl-steps", "0"]])
 def test_every_lab_command_refuses_a_bad_flag_in_one_line(tmp_path, capsys, command, extra):
     """--sft-lr is no flag (SFT is bgpo.py's, with its constants); bgpo.check_args refuses --rl-steps 0."""
