@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from tasks import TASKS, encode, get_task
 from tiny_dllm import (ActivationMemory, ModelConfig, TinyDLLM, forward_process, generate,
-                       masked_log_likelihood, measure_update, sft_loss)
+                       masked_log_likelihood, measure_update, out_of_memory, sft_loss)
 
 # 1. The ELBO and its Monte Carlo estimate (Eq. 4-5) ---------------------------------------------------------
 
@@ -163,6 +163,7 @@ TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is 
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 skip_tied=False)}   # --mc-chunk: as many masked copies as the card holds
 COPY_GIB = {"bfloat16": 0.6, "float32": 1.06}   # a masked copy's activations in a GPU-size update (measured)
+CU126 = "https://download.pytorch.org/whl/cu126"   # PyTorch's CUDA 12.6 build: kernels from capability 5.0
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
@@ -173,18 +174,18 @@ def everyone(obj, args):   # data parallel (torchrun): [obj of process 0, obj of
     return gathered
 
 def average_gradients(model, args, *stats):
-    """Average .grad and stats (numbers) over the processes: one all_reduce of one flat buffer per mini-batch
-    (one with no signal too, which then makes no step). DDP, unless no_sync, syncs after each backward."""
+    """Average .grad and stats over the processes: one all_reduce of one flat buffer per mini-batch (DDP,
+    unless no_sync, syncs after each backward). A number comes back a number, a tensor a tensor (no wait)."""
     if args.world == 1:
         return list(stats)
     params = list(model.parameters())
     flat = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten() for p in params]
-                     + [params[0].new_tensor(stats)])
+                     + [torch.as_tensor(s).to(params[0]).view(1) for s in stats])
     dist.all_reduce(flat)   # the sum over processes
-    *grads, stats = (flat / args.world).split([p.numel() for p in params] + [len(stats)])
+    *grads, means = (flat / args.world).split([p.numel() for p in params] + [len(stats)])
     for p, grad in zip(params, grads):
         p.grad = grad.view_as(p)
-    return stats.tolist()
+    return [mean[0] if torch.is_tensor(s) else mean.item() for s, mean in zip(stats, means.split(1))]
 
 def make_model(task, args):   # a model of the flags' size for the task, on --device
     return TinyDLLM(ModelConfig(task.tokenizer.vocab_size, args.n_layer, args.n_head, args.n_embd,
@@ -250,15 +251,12 @@ def load_model(path, task, args):
     model.load_state_dict(load_checkpoint(path, task, model.config)["model"])
     return model
 
-def processes(args):   # under torchrun, other random draws: the runs' files get names of their own
-    return f"_{args.world}processes" if args.world > 1 else ""
-
 def sft_path(args):
     """The SFT checkpoint's name records every flag that changes the kept model: --stage all reuses it."""
     stop, bf16 = f"p{SFT_PATIENCE}m{SFT_MIN_STEPS[args.task]}", "_bf16" if args.dtype == "bfloat16" else ""
     return os.path.join(args.out_dir, f"sft_{args.task}_demos{args.demos}_{args.sft_steps}x{SFT_BATCH}_lr"
                         f"{SFT_LR:g}_val{args.val_size}e{args.sft_eval_every}{stop}_l{args.n_layer}"
-                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{processes(args)}{bf16}.pt")
+                        f"h{args.n_head}e{args.n_embd}_seed{args.seed}{args.processes}{bf16}.pt")
 
 def sft_batches(task, args, generator):
     """Endless (x, y) SFT batches drawn with replacement from the --demos demonstrations (training problems
@@ -302,7 +300,7 @@ def run_sft(args, task):
             loss = sft_loss(model, *next(batches), generator=noise)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        [loss] = average_gradients(model, args, loss.detach())   # no .item(): no wait for the GPU a step
+        [loss] = average_gradients(model, args, loss.detach())   # a tensor: no wait for the GPU a step
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss)
@@ -525,8 +523,7 @@ def make_parser(add_help=True):
     model("--n-layer", type=int, default=3, help="transformer blocks")
     model("--n-head", type=int, default=4, help="attention heads")
     model("--n-embd", type=int, default=128, help="embedding width")
-    sft("--demos", type=int, default=None,
-        help=f"SFT's training problems with answers; 0: fresh ones every step; None: {DEMOS}")
+    sft("--demos", type=int, help=f"SFT's training problems with answers; 0: fresh each step; None: {DEMOS}")
     sft("--sft-steps", type=int, default=2000, help="most SFT steps; the cosine schedule spans them")
     sft("--sft-eval-every", type=int, default=50, help="SFT steps between validation scores")
     sft("--val-size", type=int, default=200, help="validation problems, to choose the SFT model")
@@ -551,10 +548,11 @@ def check_args(p, args):
         if type(value) is int and value < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     args.rank, args.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    args.processes = f"_{args.world}processes" if args.world > 1 else ""   # other draws: other files
     args.demos = DEMOS[args.task] if args.demos is None else args.demos
     mb = f"_mb{args.minibatches}" if args.minibatches > 1 else ""
     args.run_name = args.run_name or f"{args.task}_{args.objective}_nt{args.mc_samples}{mb}_seed{args.seed}" \
-        + ("_gpu" if args.size == "gpu" else "") + processes(args)
+        + ("_gpu" if args.size == "gpu" else "") + args.processes
     task, ckpt = get_task(args.task), os.path.join(args.out_dir, args.run_name, "ckpt.pt")
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
@@ -574,26 +572,37 @@ def check_args(p, args):
     return args
 
 def pick_device(p, device):
-    """--device auto: CUDA, then Apple's MPS, then the CPU; under torchrun a process's own GPU, or the CPU."""
+    """--device auto: CUDA, then Apple's MPS, then the CPU; under torchrun a process's own GPU, or the CPU.
+    Returns it and its CUDA cards: under torchrun every process's on this machine, so all decide alike."""
     cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
     device = ("cuda" if cuda else "mps" if mps else "cpu") if device == "auto" else device
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:   # each process on its own GPU (NCCL), or on the CPU (gloo)
+    torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if torchrun:   # each process on its own GPU (NCCL), or on the CPU (gloo)
         device = f"cuda:{os.environ['LOCAL_RANK']}" if device.startswith("cuda") else "cpu"
-    try:
+    try:   # an unknown name, a CUDA index past the last GPU, a build without CUDA: not available
+        indexes = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if torchrun else [device]
+        cards = [torch.cuda.get_device_properties(i) for i in indexes] if device.startswith("cuda") else []
+        # sm_XY's kernels run on X.Y to X.9 (torch.cuda._check_capability); a card without passes torch.empty
+        built = [divmod(int(arch.split("_")[1].rstrip("af")), 10) for arch in torch.cuda.get_arch_list()]
+        for card in (c for c in cards if built and not any(x == c.major and y <= c.minor for x, y in built)):
+            p.error(f"the {card.name} (compute capability {card.major}.{card.minor}) has no kernels in this "
+                    f"PyTorch; its CUDA 12.6 build has: pip install torch --index-url {CU126}")
         torch.empty(0, device=device)
-    except Exception:  # an unknown name, a CUDA index past the last GPU, a build without CUDA
+    except Exception:
         p.error(f"--device {device} is not available here")
-    return device
+    return device, cards
 
 def parse_args(argv=None):
     """The flags, and where one is not given the default the device sets: --dtype bf16 on cards with bf16
     tensor cores (Ampere on), else float32; BGPO's --mc-chunk, the most masked copies (8, 4, 2, 1) whose
-    activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's."""
+    activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's.
+    Under torchrun all decide from every process's card (pick_device): one size, dtype and --mc-chunk."""
     p = make_parser()
     given = make_parser(add_help=False).parse_known_args(argv)[0]   # --help shows the device's defaults
-    device = pick_device(p, given.device)
-    card = torch.cuda.get_device_properties(device) if device.startswith("cuda") else None
-    dtype = given.dtype or ("bfloat16" if card and (card.major, card.minor) >= (8, 0) else "float32")
+    device, cards = pick_device(p, given.device)
+    card = min(cards, key=lambda card: card.total_memory, default=None)   # under torchrun: the least memory
+    bf16 = cards and min((card.major, card.minor) for card in cards) >= (8, 0)   # bf16 tensor cores
+    dtype = given.dtype or ("bfloat16" if bf16 else "float32")
     gib = card.total_memory / 2**30 if card else 0.0
     chunk = next((c for c in (8, 4, 2, 1) if c * COPY_GIB[dtype] <= gib / 2), 0)   # 0: no card holds one
     size = given.size if given.size != "auto" else "gpu" if chunk else "cpu"
@@ -668,7 +677,9 @@ def main(argv=None):
         return model
     try:
         history = run_rl(args, task, model)   # its records with a test evaluation (step 0: SFT's)
-    except torch.OutOfMemoryError:   # the remedies that work from where the run stopped
+    except RuntimeError as e:   # out of memory: the remedies that work from where the run stopped
+        if not out_of_memory(e):
+            raise
         again = "--resume" if os.path.isfile(ckpt) else "--overwrite"   # no checkpoint yet: start it again
         less = f"{again} --mc-chunk {args.mc_chunk // 2} uses less memory, or " if args.mc_chunk > 1 else ""
         smaller = "--size cpu runs the CPU size" if args.size == "gpu" else "--device cpu runs it on the CPU"
@@ -689,7 +700,9 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except (RunError, torch.OutOfMemoryError) as e:   # out of memory outside RL's steps: either remedy
+    except (RunError, RuntimeError) as e:   # out of memory outside RL's steps: either remedy
+        if not (isinstance(e, RunError) or out_of_memory(e)):
+            raise
         message = e if isinstance(e, RunError) else "out of GPU memory: --size cpu, or --device cpu"
         print(f"bgpo.py: error: {message}", file=sys.stderr)
         code = 2

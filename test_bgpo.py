@@ -590,8 +590,7 @@ def test_a_runs_first_and_last_lines_say_its_size_and_its_gain_with_an_interval(
     argv = tiny_argv(tmp_path)
     history = bgpo.main(argv)
     out = capsys.readouterr().out.splitlines()
-    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"   # tiny_argv's --device cpu
-    assert out[0] == f"task arithmetic | device cpu | seed 0 | size cpu (--size auto: {why})", out[0]
+    assert out[0] == f"task arithmetic | device cpu | seed 0 | size cpu{cpu_size_why()}", out[0]
     line = [l for l in out if " RL steps: " in l][-1]
     before, after, gain, low, high = map(float, re.findall(r"[-+]?\d+\.\d", line)[:5])
     assert (before, after) == tuple(round(100 * h["accuracy"], 1) for h in (history[0], history[-1]))
@@ -634,6 +633,11 @@ def tiny_argv(tmp_path, *extra):
 
 def tiny_args(tmp_path, *extra):
     return bgpo.parse_args(tiny_argv(tmp_path, *extra))
+
+def cpu_size_why():
+    """The first line's reason for the CPU size under --device cpu, which depends on what PyTorch sees
+    (.ci/run runs the suite on a machine that sees a card too, simulated: lab/simulated_cuda)."""
+    return " (--size auto: " + ("--device cpu" if torch.cuda.is_available() else "no CUDA device") + ")"
 
 def test_short_sft_lowers_the_loss_and_checkpoint_round_trips(tmp_path, monkeypatch):
     monkeypatch.setattr(bgpo, "SFT_LR", 3e-3)                           # a 1-layer model learns faster
@@ -975,9 +979,8 @@ def test_the_gpu_size_sets_its_flags_defaults_and_a_flag_given_wins():
     """--size gpu changes the defaults of the flags it names, and only those; a flag on the command line
     wins over the size. The CPU size is the defaults as --help lists them, float32 on the CPU."""
     cpu, gpu = bgpo.parse_args(["--device", "cpu"]), bgpo.parse_args(["--device", "cpu", "--size", "gpu"])
-    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
-    assert vars(cpu) == {**vars(bgpo.parse_args(["--device", "cpu", "--size", "cpu"])),
-                         "size_auto": f" (--size auto: {why})"}
+    cpu_size = bgpo.parse_args(["--device", "cpu", "--size", "cpu"])
+    assert vars(cpu) == {**vars(cpu_size), "size_auto": cpu_size_why()}
     assert cpu.dtype == "float32" and (cpu.n_layer, cpu.n_embd, cpu.rl_steps, cpu.demos) == (3, 128, 200, 500)
     changed = {name for name in vars(cpu) if getattr(cpu, name) != getattr(gpu, name)}
     assert changed == set(bgpo.SIZES["gpu"]) | {"size", "size_auto", "run_name"}, changed
@@ -1001,9 +1004,9 @@ def test_size_auto_fits_the_card(monkeypatch, capsys, card, dtype, chunk):
     gb, major, minor = CARDS[card]
     memory = gb * 10**9
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
-        name=f"NVIDIA {card}", total_memory=memory, major=major, minor=minor))
-    monkeypatch.setattr(bgpo, "pick_device", lambda p, device: "cpu" if device == "cpu" else "cuda")
+    properties = SimpleNamespace(name=f"NVIDIA {card}", total_memory=memory, major=major, minor=minor)
+    monkeypatch.setattr(bgpo, "pick_device", lambda p, device: ("cpu", []) if device == "cpu" else
+                        ("cuda", [properties]))
     args = bgpo.parse_args([])
     assert (args.size, args.dtype, args.mc_chunk) == ("gpu" if chunk else "cpu", dtype, chunk or 1)
     assert args.size_auto == f" (--size auto: NVIDIA {card}, {memory / 2**30:.0f} GiB, {dtype}: " \
@@ -1023,12 +1026,44 @@ def test_size_auto_fits_the_card(monkeypatch, capsys, card, dtype, chunk):
     assert f"(default: {dtype})" in shown and f"(default: {chunk or 1})" in shown, shown
     assert f"transformer blocks (default: {args.n_layer})" in shown, shown
 
+# torch.cuda.get_arch_list() of PyPI's torch 2.14.1+cu130 (x86-64): the capabilities it has kernels for
+CUDA_13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+def fake_cards(setattr, *cards, archs=CUDA_13_ARCHS):
+    """This process's torch.cuda sees `cards`, (name, major, minor, GiB) each, and a build with kernels for
+    `archs`; its tensors on "cuda" still fail (what lab/simulated_cuda does to every process of a command)."""
+    properties = [SimpleNamespace(name=name, major=major, minor=minor, total_memory=gib * 2**30)
+                  for name, major, minor, gib in cards]
+    setattr(torch.cuda, "is_available", lambda: True)
+    setattr(torch.cuda, "device_count", lambda: len(cards))
+    setattr(torch.cuda, "get_device_properties", lambda i: properties[torch.device(i).index or 0
+                                                                      if isinstance(i, str) else i])
+    setattr(torch.cuda, "get_arch_list", lambda: archs)
+
+@pytest.mark.parametrize("name, major, minor, kernels", [
+    ("NVIDIA GeForce GTX 1080", 6, 1, False), ("Tesla V100-SXM2-16GB", 7, 0, False),
+    ("Tesla T4", 7, 5, True), ("NVIDIA GeForce RTX 5090", 12, 0, True)])
+def test_a_card_the_build_has_no_kernels_for_exits_2_with_one_line_before_sft(tmp_path, monkeypatch, capsys,
+                                                                                name, major, minor, kernels):
+    """PyPI's CUDA 13 wheel has kernels for compute capability 7.5 on (sm_75 ... sm_120; a kernel for X.Y runs
+    on X.Y to X.9). On an older card PyTorch only warns and torch.empty(0, device="cuda") passes, so the run
+    would announce the GPU size and fail at SFT's first kernel. It ends at once with one line naming the card
+    and the build to install; a card the wheel covers passes (and fails here only as no card computes)."""
+    fake_cards(monkeypatch.setattr, (name, major, minor, 8))
+    code, err = run_script(tiny_argv(tmp_path, "--device", "cuda"), monkeypatch, capsys)
+    too_old = (f"bgpo.py: error: the {name} (compute capability {major}.{minor}) has no kernels in this "
+               f"PyTorch; its CUDA 12.6 build has: pip install torch --index-url "
+               f"https://download.pytorch.org/whl/cu126\n")
+    assert (code, err) == (2, "bgpo.py: error: --device cuda is not available here\n" if kernels else too_old)
+    fake_cards(monkeypatch.setattr, (name, major, minor, 8), archs=[])   # a build that names no kernels
+    assert run_script(tiny_argv(tmp_path, "--device", "cuda"), monkeypatch, capsys)[1].endswith("here\n")
+
 def test_size_auto_is_the_cpu_size_without_cuda(monkeypatch):
     """Without CUDA (the CPU, Apple's MPS) --size auto is the CPU size, in float32, and says why; an explicit
     --size gpu is the GPU size there too."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for device in ("cpu", "mps"):
-        monkeypatch.setattr(bgpo, "pick_device", lambda p, given: device)
+        monkeypatch.setattr(bgpo, "pick_device", lambda p, given: (device, []))
         args = bgpo.parse_args([])
         assert (args.size, args.dtype, args.n_layer, args.size_auto) == ("cpu", "float32", 3,
                                                                        " (--size auto: no CUDA device)")
@@ -1066,37 +1101,53 @@ def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(t
         said = "--mc-chunk 4, where the run had 8: in other memory" in capsys.readouterr().out
         assert said == (remedy[0] == "--resume"), f"{remedy}: a resume says its other --mc-chunk"
 
-def test_out_of_gpu_memory_at_the_cpu_size_names_the_cpu(tmp_path, monkeypatch, capsys):
-    """At the CPU size with --mc-chunk 1 (a small card's) the out-of-memory line has no smaller size or chunk
-    to name: it names the CPU device (simulated on the CPU, in RL step 1's rollouts)."""
+# what each GPU raises when its memory runs out: CUDA a torch.OutOfMemoryError; Apple's MPS a plain
+# RuntimeError (aten/src/ATen/mps/MPSAllocator.mm, MPSHeapAllocatorImpl::alloc_buffer_block:
+# TORCH_CHECK(false, "MPS backend out of memory (MPS allocated: ...")
+OUT_OF_MEMORY = {"CUDA": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                 "MPS": lambda: RuntimeError("MPS backend out of memory (MPS allocated: 17.60 GiB, other "
+                                             "allocations: 1.02 GiB, max allowed: 18.13 GiB). Tried to "
+                                             "allocate 512.00 MiB on private pool.")}
+
+@pytest.mark.parametrize("gpu", OUT_OF_MEMORY)
+def test_out_of_gpu_memory_at_the_cpu_size_names_the_cpu(tmp_path, monkeypatch, capsys, gpu):
+    """At the CPU size with --mc-chunk 1 (a small card's, and a Mac's) the out-of-memory line has no smaller
+    size or chunk to name: it names the CPU device (simulated on the CPU, in RL step 1's rollouts)."""
     real = tiny_dllm.generate
 
     def out_of_memory(*args, **kwargs):
         if kwargs.get("temperature", 0) > 0:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            raise OUT_OF_MEMORY[gpu]()
         return real(*args, **kwargs)
     monkeypatch.setattr(tiny_dllm, "generate", out_of_memory)   # what bgpo.py imports as a script
     code, err = run_script(tiny_argv(tmp_path, "--size", "cpu", "--sft-steps", "2", "--sft-eval-every", "2"),
                            monkeypatch, capsys)
     assert (code, err) == (2, "bgpo.py: error: out of GPU memory: --device cpu runs it on the CPU\n"), err
 
-def test_out_of_gpu_memory_in_sft_ends_the_script_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("gpu", OUT_OF_MEMORY)
+def test_out_of_gpu_memory_in_sft_ends_the_script_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys,
+                                                                            gpu):
     """Out of memory outside RL's steps (here SFT's first step, simulated on the CPU): one line naming the CPU
-    size and the CPU (a run at the CPU size needs the second), exit code 2, no traceback."""
+    size and the CPU (a run at the CPU size needs the second), exit code 2, no traceback. Any other
+    RuntimeError still ends in its traceback."""
     def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        raise OUT_OF_MEMORY[gpu]()
     monkeypatch.setattr(tiny_dllm, "sft_loss", out_of_memory)   # what bgpo.py imports as a script
     code, err = run_script(tiny_argv(tmp_path), monkeypatch, capsys)
     assert (code, err) == (2, "bgpo.py: error: out of GPU memory: --size cpu, or --device cpu\n"), err
+    monkeypatch.setattr(tiny_dllm, "sft_loss", lambda *a, **k: torch.ones(2, 3) @ torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        run_script(tiny_argv(tmp_path), monkeypatch, capsys)
 
-def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("gpu", OUT_OF_MEMORY)
+def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_path, monkeypatch, capsys, gpu):
     """bgpo.py --bench-memory: BGPO's activation memory stays flat while the naive objective's grows, and a
     row whose naive update raises torch.OutOfMemoryError says so while BGPO's row and the later rows go on."""
     naive_loss = bgpo.naive_loss
 
     def out_of_memory_from_16(model, x, y, mc, *rest):
         if mc.weight.shape[1] >= 16:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            raise OUT_OF_MEMORY[gpu]()
         return naive_loss(model, x, y, mc, *rest)
 
     monkeypatch.setattr(bgpo, "naive_loss", out_of_memory_from_16)
@@ -1109,7 +1160,8 @@ def test_the_memory_table_goes_on_past_an_update_that_runs_out_of_memory(tmp_pat
     assert out.count("nan | naive: out of memory") == 3 and rows[0]["naive"]["cuda_mb"] is None
 
 def test_a_missing_checkpoint_exits_2_with_one_line_from_the_command_line(tmp_path, capsys, monkeypatch):
-    code, err = run_script(["--prompt", "15,4,1:64", "--out-dir", str(tmp_path)], monkeypatch, capsys)
+    argv = ["--prompt", "15,4,1:64", "--out-dir", str(tmp_path), "--device", "cpu"]
+    code, err = run_script(argv, monkeypatch, capsys)
     assert code == 2 and err.count("\n") == 1 and "no checkpoint at" in err, err
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -1263,6 +1315,29 @@ def dp_syncs_of_one_bgpo_update(rank, sizes):
     bgpo_backward(ddp, x, y, mc, None, A)
     return {"n_params": model.num_params(), "bgpo.py": ours, "DDP": ddp_syncs}
 
+def dp_decision_on_mixed_cards(rank, patch):
+    """What parse_args decides in this process of two, on a machine with an RTX 4090 and an RTX 2080 Ti
+    (faked: torch.cuda's answers, and tensors on "cuda" made on the CPU), as torchrun starts it."""
+    fake_cards(patch.setattr, ("NVIDIA GeForce RTX 4090", 8, 9, 24), ("NVIDIA GeForce RTX 2080 Ti", 7, 5, 11))
+    empty = torch.empty
+    patch.setattr(torch, "empty", lambda *size, device=None, **kwargs: empty(*size, **kwargs))
+    patch.setenv("LOCAL_RANK", str(rank))
+    patch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = bgpo.parse_args(DP_ARGV[:DP_ARGV.index("--device")] + DP_ARGV[DP_ARGV.index("--device") + 2:])
+    return {"device": args.device, "size": args.size, "dtype": args.dtype, "mc_chunk": args.mc_chunk,
+            "first line": args.size_auto, "sft file": bgpo.sft_path(args)}
+
+def dp_stats(patch):
+    """average_gradients' means of a 0-dim tensor (SFT's loss) and of numbers (RL's loss and row count), each
+    process giving its own; the tensor's without .item() or .tolist(), which on a GPU wait for it."""
+    args, model = bgpo.parse_args(DP_ARGV), seeded_model(get_task("arithmetic"), bgpo.parse_args(DP_ARGV))
+    rank = args.rank
+    with pytest.MonkeyPatch.context() as no_wait:
+        for method in ("item", "tolist"):
+            no_wait.setattr(torch.Tensor, method, lambda self: pytest.fail(f".{method}() waits for the GPU"))
+        [loss] = bgpo.average_gradients(model, args, torch.tensor(1.0 + 2 * rank))
+    return {"tensor": loss, "numbers": bgpo.average_gradients(model, args, 1.0 + 2 * rank, 3 * rank)}
+
 def dp_worker(rank, port, out_dir):
     """One of two processes, as torchrun starts them (the environment), with gloo on the CPU. Each part runs
     with its own patches (undone after it); sizes records the number of elements of every all_reduce."""
@@ -1278,6 +1353,7 @@ def dp_worker(rank, port, out_dir):
              "first batches": lambda setattr: dp_first_batches(DP_ARGV + ["--out-dir", out_dir], setattr),
              "sft": lambda setattr: dp_sft_steps(DP_ARGV + ["--out-dir", f"{out_dir}/sft"], setattr),
              "syncs": lambda setattr: dp_syncs_of_one_bgpo_update(rank, sizes)}
+    cards = {"cards": lambda patch: dp_decision_on_mixed_cards(rank, patch), "stats": dp_stats}
     for objective, k in DP_CASES:
         argv = DP_ARGV + ["--objective", objective, "--minibatches", str(k), "--out-dir", f"{out_dir}/{k}"]
         parts[objective, k] = lambda setattr, argv=argv: {**dp_rl_update(argv, setattr),
@@ -1286,6 +1362,9 @@ def dp_worker(rank, port, out_dir):
         with pytest.MonkeyPatch.context() as patch:
             sizes.clear()
             results[name] = part(patch.setattr)
+    for name, part in cards.items():   # parts that patch the environment too
+        with pytest.MonkeyPatch.context() as patch:
+            results[name] = part(patch)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -1379,7 +1458,7 @@ def test_torchrun_runs_sft_and_rl_with_one_voice(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "terminate called" not in run.stderr and "Signal" not in run.stderr, run.stderr[-2000:]
-    first = "task arithmetic | device cpu | seed 0 | size cpu (--size auto: no CUDA device) | 2 processes"
+    first = f"task arithmetic | device cpu | seed 0 | size cpu{cpu_size_why()} | 2 processes"
     assert run.stdout.count(first) == 1, run.stdout
     assert run.stdout.count("step    2 | reward") == 1, run.stdout        # rank 0 prints, rank 1 does not
     run_dir = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -1458,6 +1537,25 @@ def test_a_bad_world_size_exits_2_with_one_line_on_every_process_before_any_coll
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
     assert not dist.is_initialized()
+
+def test_every_process_decides_size_dtype_and_mc_chunk_from_every_processs_card(two_processes):
+    """torchrun on one machine with two different cards: each process decides from both, so both run float32
+    (the 2080 Ti has no bf16 tensor cores) with the --mc-chunk that the 11 GiB card holds (4: 4 x 1.06 GiB <=
+    5.5), and look for one SFT file. Deciding each from its own card, process 0 would run bf16 with --mc-chunk
+    8 and look for an SFT file that process 1, in float32, never writes."""
+    decisions = [r["cards"] for r in two_processes]
+    assert [d.pop("device") for d in decisions] == ["cuda:0", "cuda:1"]
+    assert decisions[0] == decisions[1], decisions
+    assert (decisions[0]["size"], decisions[0]["dtype"], decisions[0]["mc_chunk"]) == ("gpu", "float32", 4)
+    why = " (--size auto: NVIDIA GeForce RTX 2080 Ti, 11 GiB, float32: --mc-chunk 4)"
+    assert decisions[0]["first line"] == why
+
+def test_data_parallel_averages_a_tensor_stat_without_waiting_and_numbers_as_numbers(two_processes):
+    """SFT's loss, a 0-dim tensor, comes back a tensor holding the mean over the processes (1 and 3: 2); RL's
+    numbers come back numbers (the loss 1 and 3: 2; the rows 0 and 3: 1.5)."""
+    for result in (r["stats"] for r in two_processes):
+        assert torch.is_tensor(result["tensor"]) and result["tensor"].item() == 2.0, result
+        assert result["numbers"] == [2.0, 1.5] and all(type(n) is float for n in result["numbers"]), result
 
 def test_data_parallel_processes_draw_their_own_shares_and_evaluate_a_share_each(two_processes, monkeypatch):
     """run_sft and run_rl's own draws: each process trains on SFT_BATCH / 2 demonstrations and samples

@@ -272,6 +272,11 @@ class _Saved:  # a handle whose garbage collection tells us autograd let go of t
     def __init__(self, t):
         self.t = t
 
+def out_of_memory(error):
+    """Whether an error is the device's memory running out: CUDA's torch.OutOfMemoryError (a RuntimeError),
+    or Apple's MPS's plain RuntimeError (MPSAllocator.mm: TORCH_CHECK(false, "MPS backend out of memory"))."""
+    return isinstance(error, torch.OutOfMemoryError) or "MPS backend out of memory" in str(error)
+
 def measure_update(model, update, repeats=3):
     """update(), the forward and backward passes of an update without its optimizer step, measured: its
     activation memory in a pass of its own (the hooks cost Python time), then the median seconds of `repeats`
@@ -297,7 +302,9 @@ def measure_update(model, update, repeats=3):
             times.append(time.perf_counter() - t0)
         return {"mb": memory.peak / 2**20, "s": statistics.median(times),
                 "cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
-    except torch.OutOfMemoryError:   # torch.cuda.OutOfMemoryError is this class
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
         return None
     finally:
         model.zero_grad(set_to_none=True)

@@ -102,7 +102,7 @@ def check_args(p, args):
     named = args.run_name is not None
     tutorial = argparse.Namespace(**{k: getattr(args, k) for k in vars(bgpo.make_parser().parse_args([]))})
     tutorial.dtype = "float32"   # bgpo.main's autocast is not the lab's: its runs record what they run
-    tutorial.device = bgpo.pick_device(p, args.device)
+    tutorial.device = bgpo.pick_device(p, args.device)[0]
     vars(args).update(vars(bgpo.check_args(p, tutorial)))
     if not named:   # bgpo.py's name and a hash of the other flags (the lab's too), as lab.rl names a run
         common = make_parser("", "")

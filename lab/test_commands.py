@@ -5,6 +5,7 @@ the estimator lab, the memory table, the comparison figure; bad flags exit 2 wit
 import json
 import os
 import re
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ import bgpo
 from lab import (bench_estimators, bench_memory, bench_step, capped, cli, compare, control, dtrpo_offline,
                  entropy_mechanism, figures, gpu_report, graphs, negatives, objectives, offpolicy, phases,
                  reach, readme_figure, rl, sampler, stages)
-from lab.testing import tiny_argv
+from lab import simulated_cuda
+from lab.testing import needs_real_cuda, tiny_argv
 from tasks import get_task
 from tiny_dllm import generate
 
@@ -256,6 +258,7 @@ def test_the_graphed_sampler_refuses_a_generator_off_the_gpu():
     with pytest.raises(ValueError, match="generator: a CUDA graph draws on the GPU"):
         graphs.GraphedSampler(model, 5, 1.3, torch.Generator())
 
+@needs_real_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_the_graphed_sampler_draws_what_the_eager_sampler_draws(tmp_path):
     """Replays of the captured sampler against eager calls with a twin generator, bit for bit, three times,
@@ -313,6 +316,7 @@ DRY_RUN = {name: (log, argv) for _, log, name, argv in gpu_report.commands("RUNS
     ("countdown", ["test accuracy 0.0% -> "]),
     ("bench-memory", [" n_t | naive MiB BGPO MiB"]),
     ("torchrun", ["(torchrun_first_steps: "])])
+@needs_real_cuda   # lab.capped caps a card's memory where PyTorch sees one
 def test_each_command_of_the_gpu_reports_dry_run_runs_on_the_cpu(name, shown, tmp_path, monkeypatch, capsys):
     """python -m lab.gpu_report --dry-run runs, side by side on the CPU, each kind of command a GPU session
     runs, with tiny flags, so that the GPU's one command cannot rot between the sessions lent a GPU. Here each
@@ -586,3 +590,23 @@ def test_reach_reports_greedy_accuracy_entropy_and_new_solves_against_a_referenc
     assert lc["new_solves"] == again["new_solves"]
     with pytest.raises(SystemExit):
         reach.main([*argv, "--samplers", "low-confidence"])
+
+def test_a_simulated_cuda_machine_fakes_the_card_in_every_process_of_its_command(tmp_path):
+    """python -m lab.simulated_cuda runs a command whose processes see the faked card: bgpo.py, a process it
+    starts, refuses a GTX 1080 (compute capability 6.1), which PyPI's CUDA 13 wheel has no kernels for, in one
+    line, as it would on that card."""
+    card = "NVIDIA GeForce GTX 1080"
+    run = subprocess.run([sys.executable, "-m", "lab.simulated_cuda", "--card", f"{card},6.1,8", "--",
+                          sys.executable, "bgpo.py", "--out-dir", str(tmp_path)],
+                         cwd=gpu_report.ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr[-2000:]
+    assert run.stderr.startswith(f"bgpo.py: error: the {card} (compute capability 6.1) has no kernels"), run.stderr
+
+@pytest.mark.parametrize("argv, message", [
+    (["--card", "RTX 4090"], "--card 'RTX 4090': not NAME,MAJOR.MINOR,GIB"),
+    (["--card", "A,8.x,24", "--", "true"], "not NAME,MAJOR.MINOR,GIB"), ([], "no command to run")])
+def test_a_bad_simulated_cuda_flag_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        simulated_cuda.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err

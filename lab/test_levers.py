@@ -116,7 +116,7 @@ def test_rand_order_arm_samples_the_random_order_model_at_temperature_1():
     """The rand-order arm's rollouts are lab.sampler's remasking="random" with one token per step at
     temperature 1: the law that test_random_remasking_samples_from_the_random_order_likelihood checks
     against enumeration."""
-    args = rl.parse_args(sweep.ARMS["rand-order"][1])
+    args = rl.parse_args([*sweep.ARMS["rand-order"][1], "--device", "cpu"])
     assert (args.remasking, args.temperature, args.gen_steps, args.block_len) == ("random", 1.0, None, None)
 
 def test_a_decayed_hint_fixes_a_scaled_share_of_the_solution_and_one_token_at_least():
@@ -162,9 +162,10 @@ def test_hints_inside_dynamic_sampling_make_a_failed_group_a_kept_one(tmp_path, 
 def test_hint_decay_is_an_option_of_inpainted_hints():
     for argv in (["--hint-decay"], ["--hints", "solution", "--hint-decay"]):
         try:
-            rl.parse_args(argv)
+            rl.parse_args([*argv, "--device", "cpu"])
         except SystemExit as e:
             assert e.code == 2
         else:
             raise AssertionError(f"{argv} was accepted")
-    assert "_hints-inpaint_decay_seed0" in rl.parse_args(["--hints", "inpaint", "--hint-decay"]).run_name
+    argv = ["--hints", "inpaint", "--hint-decay", "--device", "cpu"]
+    assert "_hints-inpaint_decay_seed0" in rl.parse_args(argv).run_name

@@ -48,7 +48,7 @@ def test_the_two_halves_add_up_to_the_update_and_a_small_step_moves_the_elbo_eac
     loss -sum_b A_b ELBO_hat_b / (L B) on its rows, so to first order sum_b |A_b| ELBO_hat_b (the estimate on
     the same masks) falls on the A < 0 rows and rises on the A > 0 rows."""
     model, x, y, mc, _, A = on_policy_setup(M=6)
-    args = rl.parse_args(["--stage", "rl"])
+    args = rl.parse_args(["--stage", "rl", "--device", "cpu"])
     args.small_step = 1e-4
     batch = Rollouts(["?"] * 6, x, y, None, ["?"] * 6, torch.zeros(6))
     state = {"mc": mc, "old_terms": None}

@@ -19,6 +19,8 @@ from lab.sampler import Rollouts
 from lab.testing import grads, on_policy_setup, read_log, tiny_argv
 from tasks import get_task
 
+CPU = ["--device", "cpu"]   # flags' logic, the same on a machine that sees a CUDA card
+
 def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_and_0_elsewhere():
     """lab.rl --advantages rft, through the lab's update (rows with A = 0 dropped, the rest rescaled, the
     positive and negative parts built apart), against one bgpo_backward on the whole batch, A = 1[r = 1]."""
@@ -30,7 +32,7 @@ def test_the_rft_update_is_the_bgpo_update_with_advantage_1_on_solved_rollouts_a
     bgpo.bgpo_backward(model, x, y, mc, None, (rewards == 1.0).double())
     expected = grads(model).clone()
     model.zero_grad()
-    args = rl.parse_args(["--advantages", "rft"])
+    args = rl.parse_args(["--advantages", "rft", "--device", "cpu"])
     batch = Rollouts(["?"] * 6, x, y, None, None, None)
     rl.split_by_sign(objectives.OBJECTIVES["bgpo"], {}).backward(model, batch, {"mc": mc, "old_terms": None},
                                                                  torch.where(A < 0, args.neg_weight * A, A),
@@ -43,15 +45,15 @@ def test_w_reinforce_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.1, 0.0, 1.0, 1.0, 0.1])
     expected = [0.1, -1, -1, 0.1, 0.1, -1]
     assert objectives.ADVANTAGES["w-reinforce"](rewards, 3).tolist() == pytest.approx(expected)
-    assert rl.parse_args(sweep.arm_argv("w-reinforce", 0, [], 2000)).neg_weight == 1.0    # -1 is not halved
+    assert rl.parse_args(sweep.arm_argv("w-reinforce", 0, CPU, 2000)).neg_weight == 1.0    # -1 is not halved
 
 def test_each_ablation_arm_changes_only_the_setting_its_name_says():
-    base = vars(rl.parse_args(["--stage", "rl"]))
+    base = vars(rl.parse_args(["--stage", "rl", "--device", "cpu"]))
     changed = {}
     arms = ("nt1", "neg-weight-1", "rft", "no-std", "solved-reward", "g16", "g32", "w-reinforce", "spg",
             "cov-detach", "entropy-bonus")
     for arm in arms:
-        args = vars(rl.parse_args(sweep.arm_argv(arm, 0, [], 2000)))
+        args = vars(rl.parse_args(sweep.arm_argv(arm, 0, CPU, 2000)))
         changed[arm] = {k for k in base if args[k] != base[k]} - {"run_name", "final_eval_size"}
         assert args["run_name"] != base["run_name"], arm              # and so its own folder
     assert changed == {"nt1": {"mc_samples"}, "neg-weight-1": {"neg_weight"}, "rft": {"advantages"},
@@ -59,13 +61,13 @@ def test_each_ablation_arm_changes_only_the_setting_its_name_says():
                        "g16": {"group_size", "prompts_per_step"}, "g32": {"group_size", "prompts_per_step"},
                        "w-reinforce": {"advantages", "neg_weight"}, "spg": {"objective"},
                        "cov-detach": {"cov_detach"}, "entropy-bonus": {"entropy_coef"}}
-    assert rl.parse_args(sweep.arm_argv("nt1", 0, [], 2000)).mc_samples == 1
+    assert rl.parse_args(sweep.arm_argv("nt1", 0, CPU, 2000)).mc_samples == 1
     for arm, n_t, prompts in [("nt32", 32, 16), ("nt16-p9", 16, 9), ("nt4-p25", 4, 25), ("nt2-p34", 2, 34)]:
-        args = rl.parse_args(sweep.arm_argv(arm, 0, [], 2000))
+        args = rl.parse_args(sweep.arm_argv(arm, 0, CPU, 2000))
         assert (args.mc_samples, args.prompts_per_step) == (n_t, prompts), arm
         L = get_task("countdown").gen_len   # bench_step's count: rows x (L + 3 n_t) token passes a step
         assert abs(prompts * (L + 3 * n_t) / (16 * (L + 3 * 8)) - 1) < 0.05 or arm == "nt32", arm
-    assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, [], 2000)).neg_weight == 1.0
+    assert rl.parse_args(sweep.arm_argv("neg-weight-1", 0, CPU, 2000)).neg_weight == 1.0
 
 @pytest.mark.parametrize("df, published", [(1, 12.706), (4, 2.776), (9, 2.262), (29, 2.045)])
 def test_t_quantile_matches_the_published_table(df, published):
@@ -188,7 +190,7 @@ def test_the_worker_pool_runs_jobs_after_those_they_need_and_skips_those_whose_n
 ])
 def test_a_bad_sweep_flag_exits_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        sweep.main(argv)
+        sweep.main([*argv, *CPU])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
@@ -202,8 +204,8 @@ def test_the_sweep_figure_draws_each_arms_mean_and_its_paired_gain_with_their_in
 
 def test_the_n_t_curve_takes_the_arms_that_differ_by_n_t_alone_and_places_each_at_its_n_t(tmp_path):
     arms = ["bgpo", "nt2", "rft", "nt4-p25", "nt16"]
-    assert sweep.mc_samples_arms(arms, []) == {"bgpo": 8, "nt2": 2, "nt16": 16}  # nt4-p25: prompts differ
-    assert sweep.mc_samples_arms(arms, ["--mc-samples", "4"])["bgpo"] == 4        # bgpo's n_t: the flags'
+    assert sweep.mc_samples_arms(arms, CPU) == {"bgpo": 8, "nt2": 2, "nt16": 16}  # nt4-p25: prompts differ
+    assert sweep.mc_samples_arms(arms, [*CPU, "--mc-samples", "4"])["bgpo"] == 4   # bgpo's n_t: the flags'
     final = lambda accuracy, sft: {"accuracy": accuracy, "sft_accuracy": sft}
     finals = {"bgpo": {0: final(0.30, 0.10), 1: final(0.20, 0.12)},
               "nt2": {0: final(0.26, 0.10), 1: final(0.18, 0.12)},
@@ -230,10 +232,10 @@ def test_the_n_t_curve_takes_the_arms_that_differ_by_n_t_alone_and_places_each_a
     assert update["y"] == pytest.approx([0.3, 1.2, 2.4])           # medians 0.2 and 0.4 for nt2, ...
 
 def test_the_control_finds_the_rl_run_that_its_flags_name_lab_flags_included():
-    for extra in ([], ["--rl-lr", "2e-4"], ["--temperature", "1.0", "--sft-steps", "30"]):
+    for extra in (CPU, [*CPU, "--rl-lr", "2e-4"], [*CPU, "--temperature", "1.0", "--sft-steps", "30"]):
         expected = os.path.join("out", rl.parse_args(extra).run_name + "_sft-continued")
         assert sweep.run_folder("sft-continued", 0, extra, 2000) == expected, extra
-    assert rl.parse_args(["--rl-lr", "2e-4"]).run_name != rl.parse_args([]).run_name
+    assert rl.parse_args([*CPU, "--rl-lr", "2e-4"]).run_name != rl.parse_args(CPU).run_name
 
 # -----------------------------------------------------------------------------
 # The final evaluation: pass@k and the entropy

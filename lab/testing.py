@@ -1,9 +1,15 @@
 """The lab tests' tiny models, batches and helpers (copied from the tutorial's test_bgpo.py)."""
+import os
+
+import pytest
 import torch
 
 from bgpo import draw_mc_samples, elbo_terms
 from lab.figures import read_log   # noqa: F401 (the lab tests read logs through this module)
 from tiny_dllm import ModelConfig, TinyDLLM
+
+# a test that needs a real CUDA runtime, which python -m lab.simulated_cuda's faked cards are not
+needs_real_cuda = pytest.mark.skipif("SIMULATED_CUDA" in os.environ, reason="a faked card computes nothing")
 
 def tiny_model(seed=0, vocab_size=10, max_len=12, scale=0.5):
     """A random model whose conditionals differ clearly from position to position."""

@@ -1,0 +1,3 @@
+from lab.simulated_cuda import main
+
+main()
