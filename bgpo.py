@@ -7,9 +7,10 @@ A dLLM has no tractable log pi(y|x), so RL uses its ELBO, estimated with n_t mas
 y (a completion sampled in RL; names as in the README's table). The naive objective exp(mean_j d_j) A couples
 the copies through the exp: as one autograd graph it keeps all n_t copies' activations alive. BGPO replaces it
 by a lower bound that is a sum over copies: backward runs --mc-chunk copies at a time, in their memory alone.
-On-policy (the default, and the paper's main setting) every d_j is 0 and the bound equals the naive objective
-in value and gradient: BGPO's update IS the naive gradient, accumulated one masked copy at a time. Off-policy
-(--minibatches 2) the two differ. Departures from the paper: the README's last section, and where made.
+On-policy (the default) every d_j is 0 and the bound equals the naive objective in value and gradient: BGPO's
+update IS the naive gradient, accumulated one masked copy at a time. Off-policy (--minibatches 2) it is a
+bound, where a pass without gradients would give the exact naive gradient in the same memory (the lab's
+naive_two_pass_backward). Departures from the paper: the README's last section, and where made.
 
 Shapes: B rows of a batch, one rollout each (prompts x G; under torchrun, a process's share), G rollouts per
 prompt, M masked copies per completion in a tensor (n_t; in bgpo_backward a chunk of --mc-chunk of them), L
@@ -259,8 +260,7 @@ def sft_path(args):
                         f"h{args.n_head}e{args.n_embd}_seed{args.seed}{args.processes}{bf16}.pt")
 
 def sft_batches(task, args, generator):
-    """Endless (x, y) SFT batches drawn with replacement from the --demos demonstrations (training problems
-    with answers, one set per seed; 0: fresh ones every step); each process draws SFT_BATCH / world rows."""
+    """Endless SFT batches (x, y) of SFT_BATCH / world rows, drawn with replacement from --demos (0: new)."""
     n = SFT_BATCH // args.world
     while not args.demos:
         yield encode(task, *task.sample(n, "train", generator), device=args.device)
@@ -384,8 +384,10 @@ def run_rl(args, task, model):
         print("RL step 0 (SFT model): " + score_test_problems(model, task, args, records[0]))
     if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
         write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
-        if not args.resume:
-            write_text(os.path.join(run_dir, "run.json"), json.dumps(describe_run(args), indent=1))
+        if not args.resume:   # what made the run: the command, its flags, the machine
+            made = {"command": sys.argv, "flags": vars(args), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()}
+            write_text(os.path.join(run_dir, "run.json"), json.dumps(made, indent=1))
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
@@ -595,14 +597,12 @@ def pick_device(p, device):
 def parse_args(argv=None):
     """The flags, and where one is not given the default the device sets: --dtype bf16 on cards with bf16
     tensor cores (Ampere on), else float32; BGPO's --mc-chunk, the most masked copies (8, 4, 2, 1) whose
-    activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's.
-    Under torchrun all decide from every process's card (pick_device): one size, dtype and --mc-chunk."""
+    activations fit in half the card's memory; --size auto: the GPU size on a card holding one, else CPU's."""
     p = make_parser()
     given = make_parser(add_help=False).parse_known_args(argv)[0]   # --help shows the device's defaults
     device, cards = pick_device(p, given.device)
     card = min(cards, key=lambda card: card.total_memory, default=None)   # under torchrun: the least memory
-    bf16 = cards and min((card.major, card.minor) for card in cards) >= (8, 0)   # bf16 tensor cores
-    dtype = given.dtype or ("bfloat16" if bf16 else "float32")
+    dtype = given.dtype or ("bfloat16" if cards and min(card.major for card in cards) >= 8 else "float32")
     gib = card.total_memory / 2**30 if card else 0.0
     chunk = next((c for c in (8, 4, 2, 1) if c * COPY_GIB[dtype] <= gib / 2), 0)   # 0: no card holds one
     size = given.size if given.size != "auto" else "gpu" if chunk else "cpu"
@@ -619,10 +619,6 @@ def sft_model(args, task):
         return run_sft(args, task)
     print(f"loading the SFT model {sft_path(args)}")
     return load_model(sft_path(args), task, args)
-
-def describe_run(args):   # what made a run, for run.json beside its checkpoint: the command, flags, machine
-    return {"command": sys.argv, "flags": vars(args), "torch": torch.__version__, "device": args.device,
-            "threads": torch.get_num_threads(), "processes": args.world}
 
 NOT_RESULTS = ("stage", "device", "out_dir", "run_name", "resume", "overwrite", "bench_memory", "prompt",
                "mc_chunk")   # flags that change no number of a run (--mc-chunk: only float rounding)
@@ -641,9 +637,7 @@ def refuse_to_overwrite(args):
     differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})"
               for name in sorted(set(vars(make_parser().parse_args([]))) - set(mutable))
               if name in made and made[name] != getattr(args, name)]
-    if args.resume and not differ:
-        if made.get("mc_chunk", args.mc_chunk) != args.mc_chunk:
-            print(f"--mc-chunk {args.mc_chunk}, where the run had {made['mc_chunk']}: in other memory")
+    if args.resume and not differ:   # --mc-chunk may differ: it changes the memory, not the numbers
         return
     raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
                    + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")

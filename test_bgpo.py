@@ -1098,8 +1098,6 @@ def test_out_of_gpu_memory_names_remedies_that_each_work_from_where_it_stopped(t
         with pytest.raises(SystemExit) as e:
             runpy.run_path(bgpo.__file__, run_name="__main__")
         assert e.value.code == 0 and torch.load(folder / "ckpt.pt", weights_only=True)["step"] == 3, remedy
-        said = "--mc-chunk 4, where the run had 8: in other memory" in capsys.readouterr().out
-        assert said == (remedy[0] == "--resume"), f"{remedy}: a resume says its other --mc-chunk"
 
 # what each GPU raises when its memory runs out: CUDA a torch.OutOfMemoryError; Apple's MPS a plain
 # RuntimeError (aten/src/ATen/mps/MPSAllocator.mm, MPSHeapAllocatorImpl::alloc_buffer_block:

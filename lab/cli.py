@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 import bgpo
 from tasks import get_task
 
@@ -58,13 +60,15 @@ def settings_hash(p, args):
     return "_" + hashlib.sha1(repr(changed).encode()).hexdigest()[:6] if changed else ""
 
 def describe_run(args):
-    """bgpo.describe_run (the command, the flags, the machine) and the code's commit: a lab run's run.json."""
+    """What bgpo.run_rl writes to run.json (the command, the flags, the machine) and the code's commit: a lab
+    run's run.json."""
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                 cwd=os.path.dirname(bgpo.__file__) or ".", timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {**bgpo.describe_run(args), "commit": commit or None}
+    return {"command": sys.argv, "flags": vars(args), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "commit": commit or None}
 
 def write_json(path, obj):
     """A run's JSON record, written as bgpo.py writes its files: a temporary file, then rename."""
