@@ -164,7 +164,6 @@ TEMPERATURE = 1.3  # of the rollouts: more mixed groups than 1.0; evaluation is 
 SIZES = {"cpu": {}, "gpu": dict(n_layer=6, n_embd=256, demos=2000, prompts_per_step=64, rl_steps=1000,
                                 skip_tied=False)}   # --mc-chunk: as many masked copies as the card holds
 COPY_GIB = {"bfloat16": 0.6, "float32": 1.06}   # a masked copy's activations in a GPU-size update (measured)
-CU126 = "https://download.pytorch.org/whl/cu126"   # PyTorch's CUDA 12.6 build: kernels from capability 5.0
 
 class RunError(ValueError):  """A wrong checkpoint, a diverged run, the GPU's memory: one line, exit code 2"""
 
@@ -219,8 +218,7 @@ def evaluate(model, task, prompts, args, n_show=3):
             "examples": [f"    {prompts[i]} -> {texts[i]} -> reward {rewards[i]:.2f}" for i in shown]}
 
 def paired_gain(before, after):
-    """The gain from 0/1 outcomes `before` to `after` on the same problems, mean_i (after_i - before_i), and
-    its 95% half-width 1.96 s / sqrt(n), s the differences' std: pairing drops their shared difficulty."""
+    """mean_i (after_i - before_i) of 0/1 outcomes on the same problems, paired, and its 95% half-width."""
     d = [a - b for a, b in zip(after, before, strict=True)]
     return statistics.mean(d), 1.96 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
 
@@ -356,9 +354,8 @@ def rows_to_update(rows, A, x, y, mc, old_terms, args):
     return len(signal), (x[i], y[i], MCSamples(mc.mask[i], mc.weight[i]), old_kept, A_kept)
 
 def run_rl(args, task, model):
-    """RL from the SFT model on fresh training problems, rewarded by the verifier (never their answers). The
-    loop body is the paper's algorithm: rollouts, rewards, advantages, masked copies, update; then the RL
-    step's log record, and every --eval-every RL steps a test evaluation and a checkpoint."""
+    """RL from the SFT model on fresh problems, rewarded by the verifier alone. The loop body is the paper's
+    algorithm: rollouts, rewards, advantages, masked copies, update; then the log, and checkpoints."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
@@ -385,9 +382,8 @@ def run_rl(args, task, model):
     if args.rank == 0:   # one voice: rank 0 writes the files (whole: the others may be reading the log)
         write_text(log_path, "".join(json.dumps(r) + "\n" for r in records))
         if not args.resume:   # what made the run: the command, its flags, the machine
-            made = {"command": sys.argv, "flags": vars(args), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()}
-            write_text(os.path.join(run_dir, "run.json"), json.dumps(made, indent=1))
+            write_text(os.path.join(run_dir, "run.json"), json.dumps(dict(command=sys.argv, flags=vars(args),
+                       torch=torch.__version__, threads=torch.get_num_threads()), indent=1))
     saved = start - 1
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
@@ -457,8 +453,7 @@ def run_rl(args, task, model):
     return [r for r in records if "accuracy" in r]
 
 def show_unmasking(model, task, prompt, args):
-    """Print how the greedy sampler writes one answer: at every sampler step it predicts every masked position
-    and commits the most confident ones (low-confidence remasking); '_' is MASK, '$' EOS. Returns it."""
+    """Print how the greedy sampler writes one answer, the most confident predictions first; return it."""
     x = encode(task, [prompt], device=args.device)
     with autocast(args):
         y, steps = generate(model, x, task.gen_len, return_steps=True)
@@ -512,8 +507,7 @@ def make_parser(add_help=True):
     run("--seed", type=int, default=0, help="seed for weights, data and sampling")
     run("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     run("--size", choices=["auto", *SIZES], default="auto",
-        help=f"the defaults of the flags below; auto: gpu on CUDA (as its card holds), else cpu; gpu: "
-             f"{SIZES['gpu']}")
+        help=f"the defaults below; auto: gpu on a CUDA card that holds it, else cpu; gpu: {SIZES['gpu']}")
     run("--dtype", choices=["float32", "bfloat16"],
         help="forward passes (None: bf16 on CUDA from Ampere on, else float32; TF32 matmuls from Ampere on)")
     run("--out-dir", default="out", help="where checkpoints and logs go")
@@ -575,7 +569,8 @@ def check_args(p, args):
 
 def pick_device(p, device):
     """--device auto: CUDA, then Apple's MPS, then the CPU; under torchrun a process's own GPU, or the CPU.
-    Returns it and its CUDA cards: under torchrun every process's on this machine, so all decide alike."""
+    Returns it and its CUDA cards: under torchrun every process's here, so all decide alike. A card without
+    kernels in this PyTorch (sm_XY's run on X.Y to X.9) passes torch.empty: its capability is checked."""
     cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
     device = ("cuda" if cuda else "mps" if mps else "cpu") if device == "auto" else device
     torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -584,11 +579,10 @@ def pick_device(p, device):
     try:   # an unknown name, a CUDA index past the last GPU, a build without CUDA: not available
         indexes = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if torchrun else [device]
         cards = [torch.cuda.get_device_properties(i) for i in indexes] if device.startswith("cuda") else []
-        # sm_XY's kernels run on X.Y to X.9 (torch.cuda._check_capability); a card without passes torch.empty
         built = [divmod(int(arch.split("_")[1].rstrip("af")), 10) for arch in torch.cuda.get_arch_list()]
-        for card in (c for c in cards if built and not any(x == c.major and y <= c.minor for x, y in built)):
-            p.error(f"the {card.name} (compute capability {card.major}.{card.minor}) has no kernels in this "
-                    f"PyTorch; its CUDA 12.6 build has: pip install torch --index-url {CU126}")
+        for c in (k for k in cards if built and not any(x == k.major and y <= k.minor for x, y in built)):
+            p.error(f"the {c.name} (compute capability {c.major}.{c.minor}) has no kernels in this PyTorch;"
+                    " its CUDA 12.6 build has: pip install torch -i https://download.pytorch.org/whl/cu126")
         torch.empty(0, device=device)
     except Exception:
         p.error(f"--device {device} is not available here")
@@ -637,11 +631,10 @@ def refuse_to_overwrite(args):
     differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})"
               for name in sorted(set(vars(make_parser().parse_args([]))) - set(mutable))
               if name in made and made[name] != getattr(args, name)]
-    if args.resume and not differ:   # --mc-chunk may differ: it changes the memory, not the numbers
-        return
-    raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "") + ": "
-                   + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")
-                   + "another --run-name starts a new one, --overwrite replaces it")
+    if differ or not args.resume:   # a resume may change --mc-chunk: other memory, the same numbers
+        raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "")
+                       + ": " + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")
+                       + "another --run-name starts a new one, --overwrite replaces it")
 
 def main(argv=None):
     args = parse_args(argv)

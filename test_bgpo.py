@@ -1052,8 +1052,8 @@ def test_a_card_the_build_has_no_kernels_for_exits_2_with_one_line_before_sft(tm
     fake_cards(monkeypatch.setattr, (name, major, minor, 8))
     code, err = run_script(tiny_argv(tmp_path, "--device", "cuda"), monkeypatch, capsys)
     too_old = (f"bgpo.py: error: the {name} (compute capability {major}.{minor}) has no kernels in this "
-               f"PyTorch; its CUDA 12.6 build has: pip install torch --index-url "
-               f"https://download.pytorch.org/whl/cu126\n")
+               "PyTorch; its CUDA 12.6 build has: pip install torch -i "
+               "https://download.pytorch.org/whl/cu126\n")
     assert (code, err) == (2, "bgpo.py: error: --device cuda is not available here\n" if kernels else too_old)
     fake_cards(monkeypatch.setattr, (name, major, minor, 8), archs=[])   # a build that names no kernels
     assert run_script(tiny_argv(tmp_path, "--device", "cuda"), monkeypatch, capsys)[1].endswith("here\n")

@@ -600,7 +600,8 @@ def test_a_simulated_cuda_machine_fakes_the_card_in_every_process_of_its_command
                           sys.executable, "bgpo.py", "--out-dir", str(tmp_path)],
                          cwd=gpu_report.ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr[-2000:]
-    assert run.stderr.startswith(f"bgpo.py: error: the {card} (compute capability 6.1) has no kernels"), run.stderr
+    said = f"bgpo.py: error: the {card} (compute capability 6.1) has no kernels"
+    assert run.stderr.startswith(said), run.stderr
 
 @pytest.mark.parametrize("argv, message", [
     (["--card", "RTX 4090"], "--card 'RTX 4090': not NAME,MAJOR.MINOR,GIB"),
