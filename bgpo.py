@@ -355,7 +355,7 @@ def rows_to_update(rows, A, x, y, mc, old_terms, args):
 
 def run_rl(args, task, model):
     """RL from the SFT model on fresh problems, rewarded by the verifier alone. The loop body is the paper's
-    algorithm: rollouts, rewards, advantages, masked copies, update; then the log, and checkpoints."""
+    algorithm: rollouts, rewards, advantages, masked copies, update; then the log, tests and checkpoints."""
     G, B, L = args.group_size, args.prompts_per_step // args.world * args.group_size, task.gen_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1_000_000 * args.rank)  # a stream per process
@@ -631,7 +631,7 @@ def refuse_to_overwrite(args):
     differ = [f"--{name.replace('_', '-')} {made[name]} (now {getattr(args, name)})"
               for name in sorted(set(vars(make_parser().parse_args([]))) - set(mutable))
               if name in made and made[name] != getattr(args, name)]
-    if differ or not args.resume:   # a resume may change --mc-chunk: other memory, the same numbers
+    if differ or not args.resume:   # a resume may change what NOT_RESULTS names, --mc-chunk included
         raise RunError(f"{run_dir} holds a run" + (f" made with {', '.join(differ)}" if differ else "")
                        + ": " + ("--resume with its flags continues it, " if os.path.isfile(ckpt) else "")
                        + "another --run-name starts a new one, --overwrite replaces it")
