@@ -326,11 +326,14 @@ def run_rl(args, task, model, pool=None, tracked=None):
         # (with both, inside each draw: a hinted group is then a mixed one, kept)
         scale = 1 - (step - 1) / args.rl_steps if args.hint_decay else 1.0
         own, hinted = [], []   # every drawn batch's rewards before its hints; the groups given a hinted solve
+        hint_seconds = [0.0]   # of the rollouts' seconds, the hinted rollouts'
 
         def hint(batch, answers):
+            t_hint = time.time()
             batch, got, _ = hinted_rollouts(model, task, batch, answers, G, args, generator, args.hints,
                                             scale, **sampler_options(task, batch.prompts[::G], args))
             hinted.append(got)
+            hint_seconds[0] += time.time() - t_hint
             return batch
 
         def draw():
@@ -364,7 +367,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
         for group in optimizer.param_groups:
             group["lr"] = args.rl_lr * (min(1.0, step / args.rl_warmup) if args.rl_warmup else 1.0)
         minibatch = torch.arange(B, device=A.device) * args.minibatches // B               # (B,) 0..K-1
-        losses = []
+        losses, t_update = [], time.time()
         with ActivationMemory(model) as memory:
             for inner in range(args.updates_per_batch):
                 for k in range(args.minibatches):
@@ -380,6 +383,7 @@ def run_rl(args, task, model, pool=None, tracked=None):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     optimizer.step()
                     losses.append(loss)
+        update_seconds = time.time() - t_update
         rewards, groups = batch.rewards, batch.rewards.view(-1, G)
         solved, unsolved = (groups == 1).any(1), (groups < 1).all(1)    # (B / G,): with a solve, without
         mixed = groups.amax(1) > groups.amin(1)
@@ -402,7 +406,8 @@ def run_rl(args, task, model, pool=None, tracked=None):
                              "entropy": prediction_entropy(model, batch.x, task.gen_len),
                              "grad_pos": 0.0, "grad_neg": 0.0, "cos_pos_neg": 0.0, **stats,  # 0: no step
                              "rollout_passes": int(batch.commit_steps.max()) + 1,
-                             "rollout_seconds": rollout_seconds, "seconds": time.time() - t0})
+                             "rollout_seconds": rollout_seconds, "hint_seconds": hint_seconds[0],
+                             "update_seconds": update_seconds, "seconds": time.time() - t0})
         stats.clear()
         line = (f"RL step {step:4d} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | mixed groups "
                 f"{r['mixed_groups']:4.0%} | solved {r['solved']:5.1%} | act {r['activation_mb']:.1f} MiB | "

@@ -138,7 +138,8 @@ def test_hints_inside_dynamic_sampling_make_a_failed_group_a_kept_one(tmp_path, 
     sampling keeps its mixed groups, so a group whose rollouts all fail but that a hint solves is kept. With
     every rollout failing (the sampler's rewards set to 0) and the known solution as the hint, each step draws
     one batch, every group hinted; without hints each step draws all 3 batches and keeps no group. The log's
-    never-solved share is the policy's own rollouts', before the hints: 1 in both."""
+    never-solved share is the policy's own rollouts', before the hints: 1 in both. Its seconds by phase add
+    up: the hinted rollouts' within the rollouts', the update's within the rest."""
     real = rl.sample_rollouts
 
     def all_fail(*args, **kwargs):
@@ -158,6 +159,11 @@ def test_hints_inside_dynamic_sampling_make_a_failed_group_a_kept_one(tmp_path, 
     assert [r["sampler_batches"] for r in logs["dyn"]] == [3, 3]
     assert [r["informative_rows"] for r in logs["dyn"]] == [0.0, 0.0]
     assert all(r["never_solved"] == 1.0 for name in logs for r in logs[name])
+    # the step's seconds by phase: the hinted rollouts' within the rollouts', the update's apart
+    for name, r in ((name, r) for name in logs for r in logs[name]):
+        assert 0 <= r["hint_seconds"] <= r["rollout_seconds"] <= r["seconds"], (name, r)
+        assert 0 <= r["update_seconds"] <= r["seconds"] - r["rollout_seconds"], (name, r)
+        assert (r["hint_seconds"] > 0) == (name == "dyn-hint"), (name, r["hint_seconds"])
 
 def test_hint_decay_is_an_option_of_inpainted_hints():
     for argv in (["--hint-decay"], ["--hints", "solution", "--hint-decay"]):
