@@ -299,7 +299,7 @@ def test_evaluating_more_often_and_scoring_pass_at_k_leave_the_training_run_unch
         expected = exact["log_likelihood"][rows].mean().item() / task.gen_len if rows.any() else None
         assert logs[0][0][f"track_{kind}_log_pi"] == pytest.approx(expected, abs=1e-9)
         assert all(f"track_{kind}_log_pi" in record for record in logs[0])
-    timing = {"seconds", "rollout_seconds"}
+    timing = {"seconds", "rollout_seconds", "hint_seconds", "update_seconds"}
     for a, b in zip(*logs):
         assert {k: a[k] for k in b if k not in timing} == {k: v for k, v in b.items() if k not in timing}
 
