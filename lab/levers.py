@@ -1,5 +1,6 @@
 """
-Three levers for RL past its SFT model's reach, as options of the lab's loop (lab.rl):
+Levers for RL past its SFT model's reach, and for turning reach into answers per second, as options of the
+lab's loop (lab.rl):
 
 1. Keep the batch informative: DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, Sec. 3.2). Draw the
    step's prompts and their G rollouts; keep the groups whose rewards differ (the only ones with A != 0);
@@ -24,6 +25,13 @@ Three levers for RL past its SFT model's reach, as options of the lab's loop (la
    rollout of every all-fail group. On-policy, BGPO's gradient on that row is A / L times the gradient of its
    ELBO: SFT's loss on the solution, weighted by its advantage. The question the pair asks: does a masked
    model learn more from solutions it partly wrote itself than from the same solutions given in full?
+4. Select before sampling in full: selective rollouts after GRESO (arXiv 2506.02177), whose skip
+   rule reads a prompt's history; problems here are fresh each step, so --probe K rollouts of PROBE_POOL
+   times the prompts stand in for it, and the prompts whose probes differ (their group is mixed whatever
+   follows) are kept first. probed_rollouts.
+5. Write the rollouts left to right: JustGRPO (arXiv 2601.15165) finds that confidence-first decoding skips
+   the uncertain "fork" tokens and lowers pass@k. --rollout-order left-to-right gives the rollouts' sampler
+   one-token blocks, one step each; the greedy evaluations keep the confidence order. No code here.
 """
 import torch
 
@@ -32,6 +40,7 @@ from lab.sampler import Rollouts, sample_rollouts
 from tasks import encode
 
 HINT_FRACTION = (0.2, 0.6)   # the share of a known solution's tokens fixed in a hinted rollout
+PROBE_POOL = 2               # --probe: candidate prompts drawn per prompt kept
 
 def concat_rollouts(parts):
     """Several Rollouts as one, rows in order."""
@@ -63,6 +72,29 @@ def dynamic_rollouts(draw, n_prompts, group_size, max_batches):
     if not answers:   # no group with a signal in any batch: the last one, whose update will be skipped
         return batch, batch_answers, torch.stack(drawn), len(drawn)
     return concat_rollouts(kept), answers, torch.stack(drawn), len(drawn)
+
+def probed_rollouts(sample, prompts, answers, group_size, n_keep, probe):
+    """Selective rollouts (after GRESO, arXiv 2506.02177, whose skip rule reads a prompt's history; problems
+    here are fresh each step, so a probe stands in for it): `probe` rollouts of each candidate prompt first.
+    A prompt whose probes differ will give a mixed group whatever its other rollouts do: those are kept
+    first, then the others in the order drawn, n_keep in all; each kept prompt's group is then completed with
+    group_size - probe more rollouts. sample(prompts, k): Rollouts, k a prompt, rows in prompt order.
+    Returns (the Rollouts, groups of group_size, a group's probe rows first; the kept prompts' answers; the
+    share of kept prompts whose probes differed; the rows sampled over n_keep x group_size)."""
+    first = sample(prompts, probe)
+    probes = first.rewards.view(-1, probe)
+    differ = (probes.amax(1) > probes.amin(1)).tolist()
+    kept = sorted(range(len(prompts)), key=lambda i: not differ[i])[:n_keep]       # stable: in draw order
+    rest = sample([prompts[i] for i in kept], group_size - probe)
+    def rows(batch, start, n):   # rows start .. start + n - 1 of a batch
+        index = torch.arange(len(batch.prompts))
+        return rows_of(batch, (index >= start) & (index < start + n))
+    more = group_size - probe
+    parts = [part for j, i in enumerate(kept)
+             for part in (rows(first, i * probe, probe), rows(rest, j * more, more))]
+    sampled = len(prompts) * probe + len(kept) * (group_size - probe)
+    return (concat_rollouts(parts), [answers[i] for i in kept], sum(differ[i] for i in kept) / len(kept),
+            sampled / (n_keep * group_size))
 
 def hint_prior(task, answers, generator, mask_id, scale=1.0):
     """(N, L) token ids: each known answer's completion (answer, then end tokens) with a fraction of its L

@@ -53,7 +53,7 @@ from lab import cli
 from lab.figures import curves_figure, draw, read_log
 from lab.objectives import ADVANTAGES, OBJECTIVES, SPG_BETA, SPG_MIX, flat_grad, rows_of, sampler_options
 from lab.estimators import random_order_log_likelihood
-from lab.levers import dynamic_rollouts, hinted_rollouts
+from lab.levers import PROBE_POOL, dynamic_rollouts, hinted_rollouts, probed_rollouts
 from lab.sampler import evaluate, sample_rollouts
 from tasks import MAX_TEXT, ParseError, encode, get_task, parse_expression
 from tiny_dllm import ActivationMemory, sft_loss
@@ -113,6 +113,12 @@ def make_parser():
            "kept if it solves) or the known solution itself, in place of its last rollout (lab/levers.py)")
     a("--hint-decay", action="store_true",
       help="with --hints inpaint: the hinted share of the solution falls linearly over the run, to one token")
+    a("--probe", type=int, default=0,
+      help="selective rollouts: K rollouts of twice the prompts first, the prompts whose K differ kept "
+           "first, then each kept group completed to G (lab/levers.py); 0: off")
+    a("--rollout-order", choices=["confidence", "left-to-right"], default="confidence",
+      help="the rollouts' sampler: the most confident tokens first, or one token a step from the left "
+           "(JustGRPO's order); the greedy evaluations stay confidence-first")
     a("--sft-stop", type=int, default=0,
       help="stop SFT at this step and start RL from that step's model (the same SFT run, trained less); "
            "0: bgpo.py's SFT, which keeps its best validated model")
@@ -179,6 +185,9 @@ def parse_args(argv=None):
         p.error(f"--dynamic-batches must be an integer >= 1, got {args.dynamic_batches}")
     if args.hint_decay and args.hints != "inpaint":
         p.error("--hint-decay lowers the share of an inpainted hint: use it with --hints inpaint")
+    if args.probe and not (1 <= args.probe < args.group_size) or args.probe and args.dynamic_batches > 1:
+        p.error(f"--probe must be in 1..{args.group_size - 1} (--group-size - 1), without --dynamic-batches, "
+                f"got {args.probe}")
     if args.rl_pool and (args.dynamic_batches > 1 or args.hints != "none"):
         p.error("--dynamic-batches and --hints draw fresh problems with their solutions: not with --rl-pool")
     if 0 < args.rl_pool < args.prompts_per_step:
@@ -319,6 +328,8 @@ def run_rl(args, task, model, pool=None, tracked=None):
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(log_path + ".tmp", log_path)
     saved = start - 1
+    rollout_args = argparse.Namespace(**{**vars(args), "block_len": 1, "gen_steps": None}) \
+        if args.rollout_order == "left-to-right" else args   # the rollouts' sampler; evaluations keep args
     for step in range(start, args.rl_steps + 1):
         t0 = time.time()
         # 1. training problems, fresh or from the pool, and G completions of each with the lab's sampler;
@@ -327,23 +338,33 @@ def run_rl(args, task, model, pool=None, tracked=None):
         scale = 1 - (step - 1) / args.rl_steps if args.hint_decay else 1.0
         own, hinted = [], []   # every drawn batch's rewards before its hints; the groups given a hinted solve
         hint_seconds = [0.0]   # of the rollouts' seconds, the hinted rollouts'
+        probe_mixed, rows_sampled = [None], [1.0]   # --probe: kept prompts whose probes differed; rows
 
         def hint(batch, answers):
             t_hint = time.time()
-            batch, got, _ = hinted_rollouts(model, task, batch, answers, G, args, generator, args.hints,
-                                            scale, **sampler_options(task, batch.prompts[::G], args))
+            options = sampler_options(task, batch.prompts[::G], args)
+            batch, got, _ = hinted_rollouts(model, task, batch, answers, G, rollout_args, generator,
+                                            args.hints, scale, **options)
             hinted.append(got)
             hint_seconds[0] += time.time() - t_hint
             return batch
+
+        def sample(prompts, k):   # k rollouts of each prompt, in the rollouts' order
+            options = sampler_options(task, prompts, argparse.Namespace(**{**vars(args), "group_size": k}))
+            return sample_rollouts(model, task, prompts, k, rollout_args, generator, **options)
 
         def draw():
             if pool:
                 order = torch.randperm(len(pool), generator=generator)
                 prompts, answers = [pool[i] for i in order[:args.prompts_per_step]], None
             else:
-                prompts, answers = task.sample(args.prompts_per_step, "train", generator)
-            batch = sample_rollouts(model, task, prompts, G, args, generator,
-                                    **sampler_options(task, prompts, args))
+                prompts, answers = task.sample(args.prompts_per_step * (PROBE_POOL if args.probe else 1),
+                                               "train", generator)
+            if args.probe:   # selective rollouts: the prompts whose probes differ first
+                batch, answers, probe_mixed[0], rows_sampled[0] = probed_rollouts(
+                    sample, prompts, answers, G, args.prompts_per_step, args.probe)
+            else:
+                batch = sample(prompts, G)
             own.append(batch.rewards)
             hint_now = args.hints != "none" and args.dynamic_batches > 1
             return (hint(batch, answers) if hint_now else batch), answers
@@ -398,7 +419,8 @@ def run_rl(args, task, model, pool=None, tracked=None):
                              "never_solved": (drawn_groups < 1).all(1).double().mean().item(),
                              "always_solved": (drawn_groups == 1).all(1).double().mean().item(),
                              "informative_rows": (A != 0).double().mean().item(),
-                             "sampler_batches": batches, "hinted_groups": hinted.double().mean().item(),
+                             "sampler_batches": batches if not args.probe else rows_sampled[0],
+                             "probe_mixed": probe_mixed[0], "hinted_groups": hinted.double().mean().item(),
                              "solved": (rewards == 1.0).double().mean().item(),
                              "valid": sum(map(valid, [task] * B, batch.prompts, batch.texts)) / B,
                              "loss": sum(losses) / len(losses) if losses else 0.0,

@@ -72,6 +72,12 @@ ARMS = {   # name: (module, flags); every RL arm runs lab.rl's loop, so that arm
     # share of the solution falls over the run, so that the last steps' rollouts are the policy's own
     "dyn-hint": ("lab.rl", ["--dynamic-batches", "3", "--hints", "inpaint"]),
     "hint-decay": ("lab.rl", ["--hints", "inpaint", "--hint-decay"]),
+    # from reach to answers, per second: selective rollouts (2 probe rollouts of twice the prompts; those
+    # whose probes differ kept first); rollouts written left to right (JustGRPO), evaluations unchanged; and
+    # widen, then sharpen: dynamic sampling with hints whose share falls over the run
+    "sel": ("lab.rl", ["--probe", "2"]),
+    "ltr": ("lab.rl", ["--rollout-order", "left-to-right"]),
+    "dyn-hint-decay": ("lab.rl", ["--dynamic-batches", "3", "--hints", "inpaint", "--hint-decay"]),
 }
 
 # -----------------------------------------------------------------------------

@@ -175,3 +175,53 @@ def test_hint_decay_is_an_option_of_inpainted_hints():
             raise AssertionError(f"{argv} was accepted")
     argv = ["--hints", "inpaint", "--hint-decay", "--device", "cpu"]
     assert "_hints-inpaint_decay_seed0" in rl.parse_args(argv).run_name
+
+def test_probed_rollouts_keep_the_prompts_whose_probes_differ_first_and_complete_their_groups():
+    """levers.probed_rollouts with a scripted sampler: 6 candidate prompts, 2 probe rollouts each, 3 kept in
+    groups of 4. Prompts 1 and 4 have probes that differ (a solve and a miss): they come first, then prompt 0,
+    the first of the others in the order drawn. Each kept group holds its own 2 probe rows, then 2 new ones,
+    all of one prompt; the answers follow the kept prompts; the rows sampled are 6 x 2 + 3 x 2 of 3 x 4."""
+    calls = []
+
+    def sample(prompts, k):
+        calls.append((list(prompts), k))
+        rows = [p for p in prompts for _ in range(k)]
+        first = len(calls) == 1
+        rewards = torch.tensor([float(first and p in ("p1", "p4") and j == 0)
+                                for p in prompts for j in range(k)])
+        x = torch.tensor([[int(p[1])] for p in rows])
+        y = torch.tensor([[int(p[1]), len(calls)] for p in rows])
+        return Rollouts(rows, x, y, torch.zeros_like(y), [f"{p}/{len(calls)}" for p in rows], rewards)
+
+    prompts, answers = [f"p{i}" for i in range(6)], [f"a{i}" for i in range(6)]
+    batch, kept_answers, mixed, rows = levers.probed_rollouts(sample, prompts, answers, 4, 3, 2)
+    assert calls == [(prompts, 2), (["p1", "p4", "p0"], 2)]
+    assert batch.prompts == [p for p in ("p1", "p4", "p0") for _ in range(4)]
+    assert batch.x[:, 0].tolist() == [1] * 4 + [4] * 4 + [0] * 4                 # each group one prompt
+    assert batch.y[:, 1].tolist() == [1, 1, 2, 2] * 3                             # probe rows, then new ones
+    assert batch.rewards.tolist() == [1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert kept_answers == ["a1", "a4", "a0"] and mixed == 2 / 3 and rows == (12 + 6) / 12
+
+def test_the_probe_and_left_to_right_arms_run_and_log_what_they_do(tmp_path, monkeypatch):
+    """lab.rl with --probe 2 (the sel arm) draws twice the prompts, keeps --prompts-per-step of them in full
+    groups and logs the rows it sampled, (4 x 2 + 2 x 2) / (2 x 4); with --rollout-order left-to-right (the
+    ltr arm) every rollout commits its tokens one a step from the left, while the greedy evaluations keep the
+    confidence order (their commit steps are not in order)."""
+    from lab.testing import tiny_argv
+    seen, real = [], rl.sample_rollouts
+
+    def watched(model, task, prompts, k, args, *rest, **options):
+        batch = real(model, task, prompts, k, args, *rest, **options)
+        seen.append(batch.commit_steps)
+        return batch
+
+    monkeypatch.setattr(rl, "sample_rollouts", watched)
+    rl.main(tiny_argv(tmp_path, "--probe", "2", "--run-name", "sel", "--sft-steps", "50"))
+    log = [json.loads(line) for line in open(tmp_path / "sel" / "log.jsonl")][1:]
+    assert [r["sampler_batches"] for r in log] == [1.5, 1.5] and all(0 <= r["probe_mixed"] <= 1 for r in log)
+    seen.clear()
+    rl.main(tiny_argv(tmp_path, "--rollout-order", "left-to-right", "--run-name", "ltr", "--sft-steps", "50"))
+    L = get_task("arithmetic").gen_len
+    assert seen and all(torch.equal(steps, torch.arange(L).expand_as(steps)) for steps in seen)
+    args = rl.parse_args(tiny_argv(tmp_path, *sweep.ARMS["ltr"][1]))
+    assert args.block_len is None and args.gen_steps is None   # what the evaluations sample with
