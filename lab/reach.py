@@ -18,6 +18,9 @@ reference could not have faked.
     python -m lab.reach --seed 10 --model RUN/ckpt.pt --reference sft.json
 
 --samplers low_confidence measures LLaDA's sampler alone, in half the seconds (new solves need no other).
+With --reference it also splits the reach not turned into answers: the problems solved in the samples at
+each temperature but not greedily, by the greedy answer's reward (0: malformed; above 0: a wrong answer, or
+on Sudoku a partly right grid), and how many of them the reference ever solved at that temperature.
 """
 import json
 import argparse
@@ -73,17 +76,28 @@ def main(argv=None):
                       "never": never, "always": always, "solves": counts, "seconds": time.time() - t0})
         print(f"{remasking:<16} {temperature:>4} " + " ".join(f"{100 * v:6.1f}" for v in values)
               + f"  {100 * never:5.1f}  {100 * always:6.1f}  {time.time() - t0:7.0f}", flush=True)
-    greedy = bgpo.evaluate(model, task, prompts, args, n_show=0)["solved"]
+    with torch.no_grad():   # the greedy answers, as bgpo.evaluate writes them, with their rewards
+        x = bgpo.encode(task, prompts, device=args.device)
+        answers = [task.decode(y) for y in bgpo.generate(model, x, task.gen_len).cpu()]
+    greedy_reward = [task.reward(prompt, answer) for prompt, answer in zip(prompts, answers)]
+    greedy = [int(r == 1.0) for r in greedy_reward]
     entropy = rl.policy_entropy(model, task, prompts, args)
     print(f"greedy accuracy {sum(greedy) / len(greedy):.1%}, policy entropy {entropy:.3f} nats per position")
-    new = None
+    new, unconverted = None, {}
     if args.reference:
-        new = new_solves(greedy, json.load(open(args.reference)), bgpo.TEMPERATURE)
+        reference = json.load(open(args.reference))
+        new = new_solves(greedy, reference, bgpo.TEMPERATURE)
         print(f"new solves: {sum(new)} of {len(new)} problems ({sum(new) / len(new):.1%}), answered right "
               f"greedily here, never solved by {args.reference}'s samples at temperature {bgpo.TEMPERATURE}")
+        for row in (r for r in table if r["remasking"] == "low_confidence"):
+            split = unconverted[str(row["temperature"])] = reach_not_answered(greedy_reward, row, reference)
+            print(f"at T {row['temperature']}: {split['reached']} problems solved in the samples but not "
+                  f"greedily: {split['malformed']} malformed greedy answers, {split['wrong']} wrong; "
+                  f"{split['reference_reached']} of them solved by the reference's samples")
     if args.json:
         cli.write_json(args.json, {"seed": args.seed, "problems": len(prompts), "samples": args.samples,
-                                   "table": table, "greedy": greedy, "entropy": entropy, "new_solves": new})
+                                   "table": table, "greedy": greedy, "greedy_reward": greedy_reward,
+                                   "entropy": entropy, "new_solves": new, "unconverted": unconverted})
     return table
 
 def new_solves(greedy, reference, temperature):
@@ -94,6 +108,18 @@ def new_solves(greedy, reference, temperature):
     if len(row["solves"]) != len(greedy):
         raise bgpo.RunError(f"the reference scored {len(row['solves'])} problems, this model {len(greedy)}")
     return [int(g == 1 and c == 0) for g, c in zip(greedy, row["solves"])]
+
+def reach_not_answered(greedy_reward, row, reference):
+    """The problems of a table row (one sampler and temperature) solved in its samples but not greedily:
+    how many, how many of their greedy answers are malformed (reward 0) or wrong (between 0 and 1), and how
+    many of them the reference (a --json of this command) solved in its samples of that sampler and
+    temperature."""
+    ref = next(r for r in reference["table"] if (r["remasking"], r["temperature"]) ==
+               (row["remasking"], row["temperature"]))
+    rows = [i for i, (g, c) in enumerate(zip(greedy_reward, row["solves"])) if c > 0 and g < 1]
+    return {"reached": len(rows), "malformed": sum(greedy_reward[i] == 0 for i in rows),
+            "wrong": sum(0 < greedy_reward[i] < 1 for i in rows),
+            "reference_reached": sum(ref["solves"][i] > 0 for i in rows)}
 
 if __name__ == "__main__":
     cli.command_line(main, "python -m lab.reach")

@@ -590,6 +590,14 @@ def test_reach_reports_greedy_accuracy_entropy_and_new_solves_against_a_referenc
     assert lc["new_solves"] == again["new_solves"]
     with pytest.raises(SystemExit):
         reach.main([*argv, "--samplers", "low-confidence"])
+    assert lc["greedy"] == [int(r == 1.0) for r in lc["greedy_reward"]]
+    assert set(lc["unconverted"]) == {"1.3", "1.0"}
+    # the reach not turned into answers, by hand: problems 1 and 3 solved in the samples but not greedily
+    # (greedy 0.1: wrong; 0: malformed); problem 0 answered greedily; the reference solved problem 3 only
+    row = {"remasking": "low_confidence", "temperature": 1.0, "solves": [2, 1, 0, 5]}
+    ref = {"table": [{**row, "solves": [0, 0, 4, 1]}]}
+    split = reach.reach_not_answered([1.0, 0.1, 0.0, 0.0], row, ref)
+    assert split == {"reached": 2, "malformed": 1, "wrong": 1, "reference_reached": 1}, split
 
 def test_a_simulated_cuda_machine_fakes_the_card_in_every_process_of_its_command(tmp_path):
     """python -m lab.simulated_cuda runs a command whose processes see the faked card: bgpo.py, a process it
