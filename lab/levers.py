@@ -92,7 +92,7 @@ def probed_rollouts(sample, prompts, answers, group_size, n_keep, probe):
     more = group_size - probe
     parts = [part for j, i in enumerate(kept)
              for part in (rows(first, i * probe, probe), rows(rest, j * more, more))]
-    sampled = len(prompts) * probe + len(kept) * (group_size - probe)
+    sampled = len(prompts) * probe + len(kept) * more
     return (concat_rollouts(parts), [answers[i] for i in kept], sum(differ[i] for i in kept) / len(kept),
             sampled / (n_keep * group_size))
 

@@ -185,9 +185,9 @@ def parse_args(argv=None):
         p.error(f"--dynamic-batches must be an integer >= 1, got {args.dynamic_batches}")
     if args.hint_decay and args.hints != "inpaint":
         p.error("--hint-decay lowers the share of an inpainted hint: use it with --hints inpaint")
-    if args.probe and not (1 <= args.probe < args.group_size) or args.probe and args.dynamic_batches > 1:
-        p.error(f"--probe must be in 1..{args.group_size - 1} (--group-size - 1), without --dynamic-batches, "
-                f"got {args.probe}")
+    if args.probe and (not 1 <= args.probe < args.group_size or args.dynamic_batches > 1 or args.rl_pool):
+        p.error(f"--probe must be in 1..{args.group_size - 1} (--group-size - 1), without --dynamic-batches "
+                f"or --rl-pool, got {args.probe}")
     if args.rl_pool and (args.dynamic_batches > 1 or args.hints != "none"):
         p.error("--dynamic-batches and --hints draw fresh problems with their solutions: not with --rl-pool")
     if 0 < args.rl_pool < args.prompts_per_step:

@@ -4,6 +4,7 @@ random-order model (whose law test_estimators checks against enumeration)."""
 import argparse
 import json
 
+import pytest
 import torch
 
 from lab import levers, rl, sweep
@@ -225,3 +226,8 @@ def test_the_probe_and_left_to_right_arms_run_and_log_what_they_do(tmp_path, mon
     assert seen and all(torch.equal(steps, torch.arange(L).expand_as(steps)) for steps in seen)
     args = rl.parse_args(tiny_argv(tmp_path, *sweep.ARMS["ltr"][1]))
     assert args.block_len is None and args.gen_steps is None   # what the evaluations sample with
+    bad_flags = (["--probe", "4"], ["--probe", "2", "--dynamic-batches", "3"],
+                 ["--probe", "2", "--rl-pool", "8"])
+    for bad in bad_flags:
+        with pytest.raises(SystemExit):   # G - 1 probes at most; not with dynamic sampling or a fixed pool
+            rl.parse_args(tiny_argv(tmp_path, *bad))
